@@ -1,0 +1,1 @@
+"""Engine workers that pdgate drives: ``engine.sim`` (CPU) and, later, ``engine.sglang``."""

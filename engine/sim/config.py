@@ -1,0 +1,186 @@
+"""Configuration of one simulated worker: role, timing model, fixes and faults.
+
+Faults and fixes may change at run time (``POST /pdgate/v1/faults``), so they live in
+small mutable holders; everything else is fixed at start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+FIXES = ("A", "B", "C")
+
+# name -> parser of the value given on the CLI, in env (SIM_FAULT_<NAME>) or by the endpoint.
+def _flag(v: Any) -> bool:
+    if isinstance(v, bool):
+        return v
+    return str(v).strip().lower() not in ("", "0", "false", "off", "no")
+
+
+def _rate(v: Any) -> float:
+    r = float(v)
+    if not 0.0 <= r <= 1.0:
+        raise ValueError(f"rate must be within 0..1, got {r}")
+    return r
+
+
+def _seconds(v: Any) -> float:
+    if isinstance(v, bool):
+        return 0.0 if not v else 1.0
+    s = float(v)
+    if s < 0:
+        raise ValueError(f"seconds must be >= 0, got {s}")
+    return s
+
+
+FAULTS: dict[str, Any] = {
+    "decode_crash": _flag,
+    "decode_freeze": _flag,
+    "abort_race": _flag,
+    "bootstrap_loss": _flag,
+    "ack_loss": _flag,
+    "http_500_rate": _rate,
+    "slow_prefill": _seconds,
+}
+
+
+class Faults:
+    """Fault switches, all off by default."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, Any] = {name: parse(0) for name, parse in FAULTS.items()}
+
+    def set(self, name: str, value: Any) -> None:
+        if name not in FAULTS:
+            raise KeyError(f"unknown fault {name!r}; known: {', '.join(FAULTS)}")
+        self.values[name] = FAULTS[name](value)
+
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__.get("values", {})
+        if name in values:
+            return values[name]
+        raise AttributeError(name)
+
+
+def parse_fixes(text: str) -> set[str]:
+    text = text.strip()
+    if text.lower() in ("none", ""):
+        return set()
+    if text.lower() == "all":
+        return set(FIXES)
+    fixes = {f.strip().upper() for f in text.split(",") if f.strip()}
+    unknown = fixes - set(FIXES)
+    if unknown:
+        raise ValueError(f"unknown fixes {sorted(unknown)}; known: A,B,C,none")
+    return fixes
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Cost model in seconds. ``speed`` scales all of it; 0 makes compute free."""
+
+    speed: float = 1.0
+    prefill_base: float = 0.004
+    prefill_per_token: float = 2e-6
+    decode_step_base: float = 0.004
+    decode_step_per_req: float = 0.0002
+    decode_step_per_ktok: float = 0.00002
+
+    def prefill_s(self, tokens: int) -> float:
+        return self.speed * (self.prefill_base + self.prefill_per_token * tokens)
+
+    def decode_step_s(self, batch: int, context_tokens: int) -> float:
+        return self.speed * (
+            self.decode_step_base
+            + self.decode_step_per_req * batch
+            + self.decode_step_per_ktok * context_tokens / 1000
+        )
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    return default if raw is None or raw == "" else float(raw)
+
+
+@dataclass
+class SimConfig:
+    role: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    bootstrap_port: int = 8998
+    model: str = "sim-model"
+    transfer_backend: str = "tcp"
+    fixes: set[str] = field(default_factory=lambda: set(FIXES))
+    faults: Faults = field(default_factory=Faults)
+    timing: Timing = field(default_factory=Timing)
+    max_context: int = 131072
+    default_max_tokens: int = 128
+    kv_bytes_per_token: int = 256
+    kv_budget_tokens: int = 4_000_000
+    bootstrap_timeout: float = 300.0
+    waiting_timeout: float = 300.0
+    inflight_timeout: float = 60.0
+    stall_threshold: int = 16384
+    unsafe_kernel: bool = False
+
+    @classmethod
+    def from_env(cls, **kw: Any) -> SimConfig:
+        cfg = cls(**kw)
+        cfg.bootstrap_timeout = _env_float("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0)
+        cfg.waiting_timeout = _env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0)
+        cfg.inflight_timeout = _env_float("SGLANG_DSV4_PREFILL_INFLIGHT_TIMEOUT", 60.0)
+        cfg.stall_threshold = int(_env_float("SIM_STALL_THRESHOLD_TOKENS", 16384))
+        cfg.unsafe_kernel = os.environ.get("SGLANG_SM120_MMA_TARGET_CTAS", "") == "512"
+        for name in FAULTS:
+            raw = os.environ.get(f"SIM_FAULT_{name.upper()}")
+            if raw is not None:
+                cfg.faults.set(name, raw)
+        return cfg
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m engine.sim", description=__doc__)
+    p.add_argument("--role", choices=("prefill", "decode"), required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--bootstrap-port", type=int, default=8998)
+    p.add_argument("--model", default="sim-model")
+    p.add_argument("--transfer-backend", choices=("tcp", "nixl"), default="tcp")
+    p.add_argument("--fixes", default="A,B,C", help="comma list of A,B,C, or 'none'")
+    p.add_argument("--fault", action="append", default=[], metavar="NAME=VALUE")
+    p.add_argument("--speed", type=float, default=1.0, help="timing scale; 0 = free compute")
+    p.add_argument("--max-context", type=int, default=131072)
+    p.add_argument("--kv-bytes-per-token", type=int, default=256)
+    p.add_argument("--kv-budget-tokens", type=int, default=4_000_000)
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        raise SystemExit(f"--host {args.host}: the sim binds to loopback only")
+    cfg = SimConfig.from_env(
+        role=args.role,
+        host=args.host,
+        port=args.port,
+        bootstrap_port=args.bootstrap_port,
+        model=args.model,
+        transfer_backend=args.transfer_backend,
+        fixes=parse_fixes(args.fixes),
+        timing=Timing(speed=args.speed),
+        max_context=args.max_context,
+        kv_bytes_per_token=args.kv_bytes_per_token,
+        kv_budget_tokens=args.kv_budget_tokens,
+    )
+    for item in args.fault:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--fault {item!r}: expected NAME=VALUE")
+        try:
+            cfg.faults.set(name, value)
+        except (KeyError, ValueError) as exc:
+            raise SystemExit(f"--fault {item!r}: {exc}") from None
+    return cfg

@@ -1,0 +1,385 @@
+"""HTTP surface of a sim worker, in SGLang 0.5.x shapes, plus the pdgate extension.
+
+The prefill role also serves its bootstrap server (``--bootstrap-port``): ``/route``,
+``/health``, ``/register_dp_rank``, ``/query_dp_ranks`` as SGLang's, and
+``/register_room``, the sim's stand-in for SGLang's ZMQ handshake (decode tells prefill
+where to send a room's KV).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from engine.sim import metrics
+from engine.sim.config import FIXES, SimConfig, parse_fixes
+from engine.sim.text import chat_prompt, token_ids, token_logprob
+from engine.sim.worker import Engine, EngineError, SimRequest, make_request
+from pdgate import protocol as p
+
+log = logging.getLogger("engine.sim.server")
+ENGINE = web.AppKey("engine", Engine)
+UNSUPPORTED = ("best_of", "suffix", "echo", "logit_bias", "tools", "functions")
+
+
+def error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
+    body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
+    return web.json_response(body, status=status, dumps=lambda o: orjson.dumps(o).decode())
+
+
+def jsonr(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+
+
+# ---- request parsing ---------------------------------------------------------------
+class Parsed:
+    def __init__(self, route: str, body: dict[str, Any], cfg: SimConfig) -> None:
+        self.route = route
+        self.body = body
+        if body.get("n", 1) != 1:
+            raise EngineError(400, "n > 1 is not supported", "BadRequestError")
+        for key in UNSUPPORTED:
+            if body.get(key) not in (None, False, ""):
+                raise EngineError(400, f"parameter '{key}' is not supported", "BadRequestError")
+        self.stream = bool(body.get("stream", False))
+        self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        self.return_logprob = bool(body.get("return_logprob") or body.get("logprobs"))
+        if route == "/generate":
+            sp = body.get("sampling_params") or {}
+            if "text" in body:
+                prompt = body["text"]
+            elif "input_ids" in body:
+                prompt = " ".join(f"t{i}" for i in body["input_ids"])
+            else:
+                raise EngineError(400, "Either text or input_ids should be provided.")
+            max_tokens, stop, temp = sp.get("max_new_tokens", cfg.default_max_tokens), sp.get("stop"), sp.get("temperature", 1.0)
+        elif route == "/v1/chat/completions":
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise EngineError(400, "messages must be a non-empty list")
+            prompt = chat_prompt(msgs)
+            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or cfg.default_max_tokens
+            stop, temp = body.get("stop"), body.get("temperature", 1.0)
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1:
+                prompt = prompt[0]
+            if not isinstance(prompt, str):
+                raise EngineError(400, "prompt must be a string")
+            max_tokens, stop, temp = body.get("max_tokens", 16), body.get("stop"), body.get("temperature", 1.0)
+        if not isinstance(prompt, str):
+            raise EngineError(400, "text must be a string")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise EngineError(400, f"max_new_tokens must be a positive integer, got {max_tokens!r}")
+        if not isinstance(temp, (int, float)) or not 0 <= temp <= 2:
+            raise EngineError(400, f"temperature must be within [0, 2], got {temp!r}")
+        self.prompt = prompt
+        self.max_tokens = max_tokens
+        self.stop = [stop] if isinstance(stop, str) else list(stop or [])
+
+
+# ---- response shapes -----------------------------------------------------------------
+def _finish(reason: dict[str, Any] | None) -> str | None:
+    return None if reason is None else reason["type"]
+
+
+def _meta(req: SimRequest, tokens: list[str], finish: dict[str, Any] | None, logprobs: bool, role: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": req.rid,
+        "finish_reason": finish,
+        "prompt_tokens": req.prompt_tokens,
+        "completion_tokens": len(tokens),
+        "cached_tokens": 0,
+        "e2e_latency": round(time.monotonic() - req.created, 6),
+    }
+    if logprobs:
+        inputs = [[token_logprob(str(t)), t, None] for t in token_ids(req.prompt)] if role == "prefill" else []
+        meta["input_token_logprobs"] = inputs
+        meta["output_token_logprobs"] = [[token_logprob(t), token_ids(t)[0] if token_ids(t) else 0, None] for t in tokens]
+    return meta
+
+
+def _usage(req: SimRequest, n: int) -> dict[str, int]:
+    return {"prompt_tokens": req.prompt_tokens, "completion_tokens": n, "total_tokens": req.prompt_tokens + n}
+
+
+def full_body(ps: Parsed, req: SimRequest, tokens: list[str], finish: dict[str, Any] | None, model: str, role: str) -> dict[str, Any]:
+    text = "".join(tokens)
+    if ps.route == "/generate":
+        return {"text": text, "meta_info": _meta(req, tokens, finish, ps.return_logprob, role)}
+    created = int(time.time())
+    if ps.route == "/v1/chat/completions":
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": _finish(finish)}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(finish)}
+        obj = "text_completion"
+    return {"id": req.rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": _usage(req, len(tokens))}
+
+
+def chunk(ps: Parsed, req: SimRequest, tokens: list[str], new: str, finish: dict[str, Any] | None, model: str, role: str) -> bytes:
+    if ps.route == "/generate":
+        obj: dict[str, Any] = {"text": "".join(tokens), "meta_info": _meta(req, tokens, finish, ps.return_logprob, role)}
+    elif ps.route == "/v1/chat/completions":
+        delta = {"role": "assistant", "content": new} if len(tokens) <= 1 else {"content": new}
+        obj = {"id": req.rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": _finish(finish)}]}
+    else:
+        obj = {"id": req.rid, "object": "text_completion", "created": int(time.time()), "model": model,
+               "choices": [{"index": 0, "text": new, "logprobs": None, "finish_reason": _finish(finish)}]}
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+def usage_chunk(ps: Parsed, req: SimRequest, n: int, model: str) -> bytes:
+    obj = {"id": req.rid, "object": "chat.completion.chunk" if ps.route.endswith("chat/completions") else "text_completion",
+           "created": int(time.time()), "model": model, "choices": [], "usage": _usage(req, n)}
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+# ---- handlers ------------------------------------------------------------------------
+async def _read_json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise EngineError(400, f"invalid JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise EngineError(400, "body must be a JSON object")
+    return body
+
+
+def generate_handler(route: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    async def handle(request: web.Request) -> web.StreamResponse:
+        engine = request.app[ENGINE]
+        cfg = engine.cfg
+        try:
+            body = await _read_json(request)
+            ps = Parsed(route, body, cfg)
+            if body.get(p.BOOTSTRAP_ROOM) is None:
+                raise EngineError(400, f"{cfg.role} worker runs in PD mode: bootstrap_room is required")
+            req = make_request(body, ps.prompt, ps.max_tokens, ps.stop)
+            if req.bootstrap_port is None:
+                req.bootstrap_port = cfg.bootstrap_port
+            if req.prompt_tokens + ps.max_tokens > cfg.max_context:
+                raise EngineError(400, f"The input ({req.prompt_tokens} tokens) plus max_new_tokens ({ps.max_tokens}) "
+                                  f"is longer than the model's context length ({cfg.max_context} tokens).")
+            if cfg.faults.http_500_rate and random.random() < cfg.faults.http_500_rate:
+                raise EngineError(500, "fault http_500_rate: injected internal error")
+        except EngineError as exc:
+            return error(exc.status, exc.message, exc.kind)
+        model = str(body.get("model") or cfg.model)
+        if cfg.role == "prefill":
+            return await _prefill(request, engine, ps, req, model)
+        return await _decode(request, engine, ps, req, model)
+
+    return handle
+
+
+async def _prefill(request: web.Request, engine: Engine, ps: Parsed, req: SimRequest, model: str) -> web.StreamResponse:
+    try:
+        first = await engine.prefill(req)
+    except EngineError as exc:
+        return error(exc.status, exc.message, exc.kind)
+    finish = {"type": "length", "length": 1}
+    if not ps.stream:
+        return jsonr(full_body(ps, req, [first], finish, model, "prefill"))
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(chunk(ps, req, [first], first, finish, model, "prefill") + DONE)
+    await resp.write_eof()
+    return resp
+
+
+async def _decode(request: web.Request, engine: Engine, ps: Parsed, req: SimRequest, model: str) -> web.StreamResponse:
+    task = asyncio.create_task(engine.decode(req))
+    try:
+        if not ps.stream:
+            try:
+                await task
+            except EngineError as exc:
+                return error(exc.status, exc.message, exc.kind)
+            return jsonr(full_body(ps, req, req.tokens, req.finish, model, "decode"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        sent = 0
+        while True:
+            while sent < len(req.tokens):
+                sent += 1
+                last = sent == len(req.tokens) and req.finish is not None
+                await resp.write(chunk(ps, req, req.tokens[:sent], req.tokens[sent - 1], req.finish if last else None, model, "decode"))
+            if task.done():
+                break
+            req.progress.clear()
+            await req.progress.wait()
+        exc = task.exception()
+        if isinstance(exc, EngineError):
+            err = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
+            await resp.write(b"data: " + orjson.dumps(err) + b"\n\n")
+        elif ps.include_usage:
+            await resp.write(usage_chunk(ps, req, len(req.tokens), model))
+        await resp.write(DONE)
+        await resp.write_eof()
+        return resp
+    finally:
+        task.cancel()
+
+
+# ---- small endpoints ---------------------------------------------------------------
+def _model_info(cfg: SimConfig) -> dict[str, Any]:
+    return {"model_path": cfg.model, "tokenizer_path": cfg.model, "served_model_name": cfg.model,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+            "disaggregation_mode": cfg.role, "max_total_num_tokens": cfg.kv_budget_tokens, "has_image_understanding": False}
+
+
+def _server_info(engine: Engine) -> dict[str, Any]:
+    cfg = engine.cfg
+    args = {"model_path": cfg.model, "served_model_name": cfg.model, "host": cfg.host, "port": cfg.port,
+            "disaggregation_mode": cfg.role, "disaggregation_bootstrap_port": cfg.bootstrap_port,
+            "disaggregation_transfer_backend": cfg.transfer_backend, "context_length": cfg.max_context,
+            "tp_size": 1, "dp_size": 1, "pp_size": 1, "load_balance_method": "round_robin"}
+    return {**args, "version": "0.5.23-sim", "pdgate_engine": "sim", p.IDENTITY_FIELD: engine.identity,
+            p.FIXES_FIELD: sorted(cfg.fixes), "pdgate_faults": engine.cfg.faults.values,
+            "started_at": engine.started, "scheduler_info": {"max_total_num_tokens": cfg.kv_budget_tokens},
+            "internal_states": [{"last_gen_throughput": 0.0, "memory_usage": {}}]}
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.Response(text="")
+
+
+async def models(request: web.Request) -> web.Response:
+    cfg = request.app[ENGINE].cfg
+    data = [{"id": cfg.model, "object": "model", "created": int(request.app[ENGINE].started), "owned_by": "sglang",
+             "root": cfg.model, "parent": None, "max_model_len": cfg.max_context}]
+    return jsonr({"object": "list", "data": data})
+
+
+async def server_info(request: web.Request) -> web.Response:
+    return jsonr(_server_info(request.app[ENGINE]))
+
+
+async def model_info(request: web.Request) -> web.Response:
+    return jsonr(_model_info(request.app[ENGINE].cfg))
+
+
+async def abort_request(request: web.Request) -> web.Response:
+    try:
+        body = await _read_json(request)
+    except EngineError:
+        body = {}
+    n = request.app[ENGINE].abort(str(body.get("rid") or ""), bool(body.get("abort_all")))
+    if n:
+        log.info("abort rid=%s matched %d", body.get("rid"), n)
+    return web.Response(text="")
+
+
+async def loads(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    c = engine.queue_counts()
+    load: dict[str, Any] = {"dp_rank": 0, "num_running_reqs": c.get("running", 0) + c.get("forward", 0),
+                            "num_waiting_reqs": c.get("waiting", 0) + c.get("prealloc", 0) + c.get("transfer", 0)}
+    if "disagg" in request.query.get("include", ""):
+        load["disagg"] = {"prefill_bootstrap_queue_reqs": c.get("bootstrap", 0), "prefill_inflight_queue_reqs": c.get("inflight", 0),
+                          "decode_prealloc_queue_reqs": c.get("prealloc", 0), "decode_transfer_queue_reqs": c.get("transfer", 0)}
+    return jsonr({"timestamp": time.time(), "loads": [load]})
+
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    return web.Response(body=metrics.render(request.app[METRICS]), content_type="text/plain", charset="utf-8")
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    return web.Response(text="Cache flushed.\n")
+
+
+async def ext_requests(request: web.Request) -> web.Response:
+    now = time.monotonic()
+    reqs = [{"rid": r.rid, "bootstrap_room": r.room, "queue": r.queue, "since_s": round(now - r.since, 3),
+             "age_s": round(now - r.created, 3)} for r in request.app[ENGINE].reqs.values()]
+    return jsonr({"role": request.app[ENGINE].cfg.role, "requests": reqs})
+
+
+async def ext_faults(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    if request.method == "POST":
+        try:
+            body = await _read_json(request)
+            for name, value in body.items():
+                if name == "fixes":
+                    engine.cfg.fixes = parse_fixes(str(value))
+                else:
+                    engine.cfg.faults.set(name, value)
+        except (EngineError, KeyError, ValueError) as exc:
+            return error(400, str(exc))
+        if engine.cfg.faults.decode_freeze:
+            engine.unfrozen.clear()
+        else:
+            engine.unfrozen.set()
+        log.warning("faults now %s fixes %s", engine.cfg.faults.values, sorted(engine.cfg.fixes))
+    return jsonr({"faults": engine.cfg.faults.values, "fixes": sorted(engine.cfg.fixes), "known_fixes": FIXES})
+
+
+@web.middleware
+async def freeze_gate(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """A frozen decode answers nothing (sockets stay open), except the faults endpoint."""
+    if request.path != p.EXT_FAULTS_PATH:
+        await request.app[ENGINE].unfrozen.wait()
+    return await handler(request)
+
+
+METRICS = web.AppKey("metrics", object)
+
+
+def build_app(engine: Engine) -> web.Application:
+    app = web.Application(middlewares=[freeze_gate], client_max_size=256 * 1024 * 1024)
+    app[ENGINE] = engine
+    app[METRICS] = metrics.make_registry(engine)
+    for route in p.GENERATE_ROUTES:
+        app.router.add_post(route, generate_handler(route))
+    for path in ("/health", "/health_generate"):
+        app.router.add_get(path, health)
+    app.router.add_get("/v1/models", models)
+    for path in ("/server_info", "/get_server_info"):
+        app.router.add_get(path, server_info)
+    for path in ("/model_info", "/get_model_info"):
+        app.router.add_get(path, model_info)
+    app.router.add_post(p.ABORT_PATH, abort_request)
+    app.router.add_get(p.LOADS_PATH, loads)
+    app.router.add_get(p.METRICS_PATH, metrics_handler)
+    app.router.add_post("/flush_cache", flush_cache)
+    app.router.add_get(p.EXT_REQUESTS_PATH, ext_requests)
+    app.router.add_route("*", p.EXT_FAULTS_PATH, ext_faults)
+    return app
+
+
+# ---- bootstrap server (prefill) -------------------------------------------------------------
+def build_bootstrap_app(engine: Engine) -> web.Application:
+    app = web.Application()
+
+    async def route(request: web.Request) -> web.Response:
+        cfg = engine.cfg
+        return jsonr({"rank_ip": cfg.host, "rank_port": cfg.bootstrap_port, "engine_rank": 0})
+
+    async def register_room(request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        ok = engine.register_room(int(body["room"]), body["dest"])
+        return jsonr({"ok": ok}, status=200 if ok else 409)
+
+    async def ok(request: web.Request) -> web.Response:
+        return jsonr({"status": "ok", "dp_ranks": [0]})
+
+    app.router.add_get("/route", route)
+    app.router.add_get("/health", health)
+    app.router.add_post("/register_room", register_room)
+    app.router.add_post("/register_dp_rank", ok)
+    app.router.add_get("/query_dp_ranks", ok)
+    return app

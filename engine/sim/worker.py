@@ -1,0 +1,374 @@
+"""The simulated scheduler: queues, PD handshake, KV transfer, decode batch, fixes A/B/C.
+
+Prefill: bootstrap (waits for its decode partner to register the room) -> waiting ->
+forward (timing model; one forward at a time, like one GPU) -> inflight (KV bytes going to
+decode) -> answers after the transfer reached Success, or 500 on Failed.
+Decode: prealloc (handshake with the prefill's bootstrap server; KV budget) -> transfer
+(waits for the KV bytes and the first token) -> running (continuous batching).
+
+Fixes (on by default, DESIGN.md): A an abort always releases a bootstrapping or
+transferring request; B the bootstrap wait is bounded; C inflight-queue watchdog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from engine.sim import kv
+from engine.sim.config import SimConfig
+from engine.sim.text import count_tokens, words
+
+log = logging.getLogger("engine.sim")
+
+
+class EngineError(Exception):
+    """A request ends with an HTTP error (SGLang's error body)."""
+
+    def __init__(self, status: int, message: str, kind: str = "InternalServerError") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+
+
+class Aborted(EngineError):
+    def __init__(self, where: str) -> None:
+        super().__init__(500, f"Request aborted in {where}", "AbortError")
+
+
+@dataclass(eq=False)
+class SimRequest:
+    rid: str
+    room: int | None
+    prompt: str
+    prompt_tokens: int
+    max_tokens: int
+    stop: list[str]
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    queue: str = "new"
+    since: float = field(default_factory=time.monotonic)
+    created: float = field(default_factory=time.monotonic)
+    abort_event: asyncio.Event = field(default_factory=asyncio.Event)
+    lost_aborts: int = 0
+    # decode output
+    tokens: list[str] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+    kv_header: asyncio.Future[dict[str, Any]] | None = None
+    _words: Any = None
+
+    def next_word(self) -> str:
+        if self._words is None:
+            self._words = words(self.prompt)
+        return str(next(self._words))
+
+    @property
+    def context(self) -> int:
+        return self.prompt_tokens + len(self.tokens)
+
+
+class Counters:
+    """Monotonic counts exported as SGLang's counters."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.aborted = 0
+        self.bootstrap_failed = 0
+        self.transfer_failed = 0
+        self.inflight_timeouts = 0
+        self.lost_aborts = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+
+
+class Engine:
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.identity = uuid.uuid4().hex
+        self.started = time.time()
+        self.reqs: dict[str, SimRequest] = {}
+        self.counters = Counters()
+        self.unfrozen = asyncio.Event()
+        self.unfrozen.set()
+        self._forward = asyncio.Lock()
+        # prefill: room -> future of the decode's destination
+        self._rooms: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        # decode
+        self._kv_used = 0
+        self._kv_freed = asyncio.Condition()
+        self._running: list[SimRequest] = []
+        self._by_room: dict[int, SimRequest] = {}  # decode: legs mint their own rid when none is sent
+        self._wake = asyncio.Event()
+        self._batch_task: asyncio.Task[None] | None = None
+        self.receiver: kv.KVReceiver | None = None
+        self._http: aiohttp.ClientSession | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------
+    async def start(self) -> None:
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        if self.cfg.role == "decode":
+            self.receiver = kv.KVReceiver(
+                self._deliver_kv,
+                self.unfrozen.wait,
+                lambda: bool(self.cfg.faults.ack_loss),
+                lambda: bool(self.cfg.faults.decode_crash),
+            )
+            await self.receiver.start(self.cfg.host)
+            self._batch_task = asyncio.create_task(self._batch_loop())
+
+    async def close(self) -> None:
+        if self._batch_task is not None:
+            self._batch_task.cancel()
+        if self.receiver is not None:
+            await self.receiver.close()
+        if self._http is not None:
+            await self._http.close()
+
+    # ---- bookkeeping -------------------------------------------------------------
+    def enter(self, req: SimRequest, queue: str) -> None:
+        if req.queue == "new":
+            self.reqs[req.rid] = req
+            self.counters.requests += 1
+            self.counters.prompt_tokens += req.prompt_tokens
+        req.queue = queue
+        req.since = time.monotonic()
+
+    def leave(self, req: SimRequest) -> None:
+        if self.reqs.get(req.rid) is req:
+            del self.reqs[req.rid]
+        req.queue = "done"
+
+    def queue_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for r in self.reqs.values():
+            counts[r.queue] = counts.get(r.queue, 0) + 1
+        return counts
+
+    def abort(self, rid: str, abort_all: bool = False) -> int:
+        """SGLang's /abort_request: prefix match on rid; unknown rid is a no-op."""
+        hit = [r for r in list(self.reqs.values()) if abort_all or r.rid.startswith(rid)]
+        for r in hit:
+            r.abort_event.set()
+        return len(hit)
+
+    def _abort_applies(self, req: SimRequest) -> bool:
+        """Whether a pending abort takes effect now; models the race that fix A closes."""
+        if "A" in self.cfg.fixes or not self.cfg.faults.abort_race:
+            return True
+        if req.queue == "inflight" and req.lost_aborts == 0:
+            req.lost_aborts += 1
+            self.counters.lost_aborts += 1
+            log.warning("fault abort_race: abort lost for rid=%s room=%s", req.rid, req.room)
+            return False
+        return True
+
+    # ---- prefill -----------------------------------------------------------------
+    def register_room(self, room: int, dest: dict[str, Any]) -> bool:
+        fut = self._rooms.get(room)
+        if fut is None:
+            fut = self._rooms[room] = asyncio.get_running_loop().create_future()
+        if fut.done():
+            return False
+        fut.set_result(dest)
+        return True
+
+    async def prefill(self, req: SimRequest) -> str:
+        """Run one prefill; returns the first output token or raises EngineError."""
+        assert req.room is not None
+        self.enter(req, "bootstrap")
+        room_fut = self._rooms.get(req.room)
+        if room_fut is None:
+            room_fut = self._rooms[req.room] = asyncio.get_running_loop().create_future()
+        try:
+            dest = await self._bootstrap(req, room_fut)
+            self.enter(req, "waiting")
+            async with self._forward:
+                self.enter(req, "forward")
+                delay = self.cfg.timing.prefill_s(req.prompt_tokens) + self.cfg.faults.slow_prefill
+                await self._until(req, asyncio.sleep(delay), None, "forward")
+            first = req.next_word()
+            self.enter(req, "inflight")
+            await self._transfer(req, dest, first)
+            return first
+        finally:
+            self._rooms.pop(req.room, None)
+            self.leave(req)
+
+    async def _bootstrap(self, req: SimRequest, room_fut: asyncio.Future[dict[str, Any]]) -> dict[str, Any]:
+        timeout = self.cfg.bootstrap_timeout if "B" in self.cfg.fixes else None
+        try:
+            return await self._until(req, asyncio.shield(room_fut), timeout, "bootstrap")
+        except TimeoutError:
+            self.counters.bootstrap_failed += 1
+            log.warning("bootstrap timeout rid=%s room=%s after %.1fs", req.rid, req.room, timeout)
+            raise EngineError(500, f"bootstrap timed out after {timeout}s (room {req.room})") from None
+
+    async def _transfer(self, req: SimRequest, dest: dict[str, Any], first: str) -> None:
+        payload = kv.kv_payload(req.prompt_tokens * self.cfg.kv_bytes_per_token, req.room or 0)
+        header = {"room": req.room, "rid": req.rid, "first_token": first}
+        send = asyncio.ensure_future(kv.send_kv(dest, header, payload))
+        watchdog = self.cfg.inflight_timeout if "C" in self.cfg.fixes else None
+        try:
+            await self._until(req, send, watchdog, "inflight")
+        except TimeoutError:
+            self.counters.inflight_timeouts += 1
+            log.error(
+                "inflight watchdog: force-failing rid=%s room=%s age=%.1fs",
+                req.rid, req.room, time.monotonic() - req.since,
+            )
+            raise EngineError(500, f"KV transfer timed out in inflight queue after {watchdog}s") from None
+        except kv.TransferFailed as exc:
+            self.counters.transfer_failed += 1
+            raise EngineError(500, f"KV transfer failed: {exc}") from None
+        finally:
+            send.cancel()
+
+    async def _until(self, req: SimRequest, aw: Any, timeout: float | None, where: str) -> Any:
+        """Await ``aw`` unless the request is aborted (subject to the race) or times out."""
+        task = asyncio.ensure_future(aw)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                abort_wait = asyncio.ensure_future(req.abort_event.wait())
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done, _ = await asyncio.wait({task, abort_wait}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                abort_wait.cancel()
+                if task in done:
+                    return task.result()
+                if abort_wait in done:
+                    req.abort_event.clear()
+                    if self._abort_applies(req):
+                        self.counters.aborted += 1
+                        raise Aborted(where)
+                    continue
+                raise TimeoutError
+        finally:
+            task.cancel()
+
+    # ---- decode ------------------------------------------------------------------
+    def _deliver_kv(self, header: dict[str, Any]) -> bool:
+        req = self._by_room.get(header.get("room"))  # type: ignore[arg-type]
+        if req is None or req.kv_header is None or req.kv_header.done():
+            return False
+        req.kv_header.set_result(header)
+        return True
+
+    async def decode(self, req: SimRequest) -> None:
+        """Run decode until the request finishes; tokens appear on ``req.tokens``."""
+        assert self.receiver is not None and self._http is not None
+        req.kv_header = asyncio.get_running_loop().create_future()
+        if req.room in self._by_room:
+            raise EngineError(400, f"bootstrap_room {req.room} is already in use on this decode worker")
+        self._by_room[req.room] = req  # type: ignore[index]
+        self.enter(req, "prealloc")
+        need = req.prompt_tokens + req.max_tokens
+        allocated = False
+        try:
+            if not self.cfg.faults.bootstrap_loss:
+                await self._until(req, self._handshake(req), None, "prealloc")
+            await self._until(req, self._alloc(need), None, "prealloc")
+            allocated = True
+            self.enter(req, "transfer")
+            try:
+                header = await self._until(req, asyncio.shield(req.kv_header), self.cfg.waiting_timeout, "transfer")
+            except TimeoutError:
+                raise EngineError(500, f"decode waited {self.cfg.waiting_timeout}s for KV; none came") from None
+            req.next_word()  # the prefill computed the first token; skip it here
+            req.tokens.append(header["first_token"])
+            self.counters.generation_tokens += 1
+            self._check_finish(req)
+            if req.finish is None:
+                self.enter(req, "running")
+                self._running.append(req)
+                self._wake.set()
+                await self._until(req, self._finished(req), None, "running")
+        finally:
+            if req in self._running:
+                self._running.remove(req)
+            if allocated:
+                await self._free(need)
+            req.progress.set()
+            self._by_room.pop(req.room, None)  # type: ignore[arg-type]
+            self.leave(req)
+
+    async def _handshake(self, req: SimRequest) -> None:
+        assert self._http is not None and self.receiver is not None
+        base = f"http://{req.bootstrap_host}:{req.bootstrap_port}"
+        body = {"room": req.room, "rid": req.rid, "dest": {"host": self.cfg.host, "port": self.receiver.port}}
+        try:
+            async with self._http.get(f"{base}/route") as r:
+                r.raise_for_status()
+            async with self._http.post(f"{base}/register_room", json=body) as r:
+                r.raise_for_status()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.counters.bootstrap_failed += 1
+            raise EngineError(500, f"bootstrap handshake with {base} failed: {exc}") from None
+
+    async def _alloc(self, need: int) -> None:
+        async with self._kv_freed:
+            await self._kv_freed.wait_for(lambda: self._kv_used + need <= self.cfg.kv_budget_tokens)
+            self._kv_used += need
+
+    async def _free(self, need: int) -> None:
+        async with self._kv_freed:
+            self._kv_used -= need
+            self._kv_freed.notify_all()
+
+    async def _finished(self, req: SimRequest) -> None:
+        while req.finish is None:
+            req.progress.clear()
+            await req.progress.wait()
+
+    def _check_finish(self, req: SimRequest) -> None:
+        text = "".join(req.tokens)
+        for s in req.stop:
+            if s and s in text:
+                req.finish = {"type": "stop", "matched": s}
+                return
+        if len(req.tokens) >= req.max_tokens:
+            req.finish = {"type": "length", "length": req.max_tokens}
+
+    def _stalled(self, req: SimRequest) -> bool:
+        return self.cfg.unsafe_kernel and req.context > self.cfg.stall_threshold
+
+    async def _batch_loop(self) -> None:
+        while True:
+            if not self._running:
+                self._wake.clear()
+                await self._wake.wait()
+            await self.unfrozen.wait()
+            batch = list(self._running)
+            ctx = sum(r.context for r in batch)
+            await asyncio.sleep(self.cfg.timing.decode_step_s(len(batch), ctx))
+            await self.unfrozen.wait()
+            for r in batch:
+                if r.finish is not None or r.queue != "running" or self._stalled(r):
+                    continue
+                r.tokens.append(r.next_word())
+                self.counters.generation_tokens += 1
+                self._check_finish(r)
+                r.progress.set()
+            self._running = [r for r in self._running if r.finish is None]
+
+
+def make_request(body: dict[str, Any], prompt: str, max_tokens: int, stop: list[str]) -> SimRequest:
+    room = body.get("bootstrap_room")
+    port = body.get("bootstrap_port")
+    return SimRequest(
+        rid=str(body.get("rid") or uuid.uuid4().hex),
+        room=int(room) if room is not None else None,
+        prompt=prompt,
+        prompt_tokens=count_tokens(prompt),
+        max_tokens=max_tokens,
+        stop=stop,
+        bootstrap_host=body.get("bootstrap_host"),
+        bootstrap_port=int(port) if port is not None else None,
+    )
