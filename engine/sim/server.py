@@ -65,7 +65,8 @@ class Parsed:
             if not isinstance(msgs, list) or not msgs:
                 raise EngineError(400, "messages must be a non-empty list")
             prompt = chat_prompt(msgs)
-            max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or cfg.default_max_tokens
+            max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None),
+                              cfg.default_max_tokens)
             stop, temp = body.get("stop"), body.get("temperature", 1.0)
         else:
             prompt = body.get("prompt")
