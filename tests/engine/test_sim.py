@@ -55,12 +55,12 @@ async def test_chat_stream_and_generate(procs: Procs, http: aiohttp.ClientSessio
 
 async def test_stop_and_bad_input(procs: Procs, http: aiohttp.ClientSession) -> None:
     prefill, decode = procs.sim("prefill", "--max-context", "64"), procs.sim("decode", "--max-context", "64")
-    (_, _), (ds, db) = await pd(http, prefill, decode, "/v1/chat/completions", CHAT)
+    (_, _), (_, db) = await pd(http, prefill, decode, "/v1/chat/completions", CHAT)
     words = orjson.loads(db)["choices"][0]["message"]["content"].split()
     tokens = [words[0]] + [" " + w for w in words[1:]]
     stop = " " + words[3]
     expect = next(k for k in range(1, 9) if stop in "".join(tokens[:k]))
-    (_, _), (ds, db) = await pd(http, prefill, decode, "/v1/chat/completions", {**CHAT, "stop": [stop]})
+    (_, _), (_, db) = await pd(http, prefill, decode, "/v1/chat/completions", {**CHAT, "stop": [stop]})
     d = orjson.loads(db)
     assert d["choices"][0]["finish_reason"] == "stop" and d["usage"]["completion_tokens"] == expect
     for bad, msg in [({**CHAT, "n": 2}, "n > 1"), ({**CHAT, "max_tokens": 0}, "positive"),

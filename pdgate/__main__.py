@@ -1,0 +1,3 @@
+from pdgate.cli import main
+
+main()

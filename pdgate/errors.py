@@ -1,0 +1,149 @@
+"""Errors the gateway answers with, each mapped to an OpenAI error object in one place.
+
+    GatewayError                       500 internal_error
+    ├── BadRequest                     400 invalid_request_error
+    │   ├── InvalidJSON                400 invalid_json
+    │   ├── InvalidField               400 invalid_value (param names the field)
+    │   └── InvalidDeadline            400 invalid_deadline
+    ├── NotFound                       404 not_found
+    │   └── ModelNotFound              404 model_not_found
+    ├── PayloadTooLarge                413 payload_too_large
+    ├── NoHealthyPair                  503 no_healthy_pair
+    ├── UpstreamError                  502 upstream_error (retryable before the first byte)
+    │   ├── UpstreamConnectError       502 upstream_connect_error
+    │   ├── UpstreamStatus             502 upstream_5xx | the engine's 4xx passed through
+    │   └── WorkerLost                 502 worker_restarted
+    ├── DeadlineExceeded               504 deadline_exceeded
+    └── Aborted                        499 request_aborted (client left or operator abort)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+
+class GatewayError(Exception):
+    status = 500
+    type = "internal_error"
+    code = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+
+
+class BadRequest(GatewayError):
+    status = 400
+    type = "invalid_request_error"
+    code = "invalid_request"
+
+
+class InvalidJSON(BadRequest):
+    code = "invalid_json"
+
+
+class InvalidField(BadRequest):
+    code = "invalid_value"
+
+
+class InvalidDeadline(BadRequest):
+    code = "invalid_deadline"
+
+
+class NotFound(GatewayError):
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class ModelNotFound(NotFound):
+    code = "model_not_found"
+
+
+class PayloadTooLarge(GatewayError):
+    status = 413
+    type = "invalid_request_error"
+    code = "payload_too_large"
+
+
+class NoHealthyPair(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "no_healthy_pair"
+
+
+class UpstreamError(GatewayError):
+    """A leg failed. ``retryable`` says whether another pair may succeed."""
+
+    status = 502
+    type = "upstream_error"
+    code = "upstream_error"
+    retryable = True
+    reason = "upstream"
+
+    def __init__(self, message: str, *, role: str = "", worker: str = "") -> None:
+        super().__init__(message)
+        self.role = role
+        self.worker = worker
+
+
+class UpstreamConnectError(UpstreamError):
+    code = "upstream_connect_error"
+    reason = "connect"
+
+
+class UpstreamStatus(UpstreamError):
+    """An engine answered with an error status. 4xx (but 429) is the client's fault: passed on."""
+
+    reason = "status"
+
+    def __init__(self, message: str, *, role: str, worker: str, upstream_status: int, detail: Any = None) -> None:
+        super().__init__(message, role=role, worker=worker)
+        self.upstream_status = upstream_status
+        self.detail = detail
+        if 400 <= upstream_status < 500 and upstream_status != 429:
+            self.status = upstream_status
+            self.type = "invalid_request_error"
+            self.code = "engine_rejected"
+            self.retryable = False
+            self.reason = "rejected"
+        else:
+            self.code = "upstream_429" if upstream_status == 429 else "upstream_5xx"
+            self.reason = str(upstream_status)
+
+
+class WorkerLost(UpstreamError):
+    code = "worker_restarted"
+    reason = "worker_lost"
+
+
+class DeadlineExceeded(GatewayError):
+    status = 504
+    type = "timeout_error"
+    code = "deadline_exceeded"
+
+    def __init__(self, message: str, *, budget: str, phase: str) -> None:
+        super().__init__(message)
+        self.budget = budget
+        self.phase = phase
+
+
+class Aborted(GatewayError):
+    status = 499
+    type = "request_aborted"
+    code = "request_aborted"
+
+
+def error_json(exc: GatewayError) -> bytes:
+    return orjson.dumps(exc.body())
+
+
+def sse_error_event(exc: GatewayError) -> bytes:
+    """What a stream gets when it fails after its headers were sent: an error event, then [DONE]."""
+    return b"data: " + error_json(exc) + b"\n\ndata: [DONE]\n\n"

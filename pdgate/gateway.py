@@ -1,0 +1,106 @@
+"""The gateway's shared state, owned by the aiohttp app (started and stopped with it)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+from pdgate import policies
+from pdgate.config import GatewayConfig
+from pdgate.metrics import Metrics, worker_families
+from pdgate.record import Observer, Record, transition
+from pdgate.traces import Traces
+from pdgate.upstream import Upstream
+from pdgate.workers import Pool, Worker
+
+log = logging.getLogger("pdgate")
+
+
+class Gateway:
+    def __init__(self, cfg: GatewayConfig) -> None:
+        self.cfg = cfg
+        self.instance = cfg.instance_id or secrets.token_hex(4)
+        self._seq = itertools.count(1)
+        self.pool = Pool(cfg.breaker)
+        self.traces = Traces(cfg.trace_ring)
+        self.metrics = Metrics()
+        self.observers: tuple[Observer, ...] = (self.metrics.on_transition,)
+        self.prefill_policy = policies.make(cfg.policy)
+        self.decode_policy = policies.make(cfg.policy)
+        self.tasks: dict[str, asyncio.Task[Any]] = {}  # live request id -> handler task
+        self.operator_aborts: set[str] = set()
+        self.background: set[asyncio.Task[Any]] = set()
+        self.upstream: Upstream | None = None
+        self.kicks: dict[str, asyncio.Event] = {}  # worker id -> "check me now"
+        self.clock = time.monotonic
+        for spec in (*cfg.prefill, *cfg.decode):
+            self.pool.add(spec)
+        self.metrics.add_collector(lambda: worker_families(list(self.pool.by_id.values()), self.now(),
+                                                           self.traces.oldest_age(self.now())))
+
+    def now(self) -> float:
+        return self.clock()
+
+    def new_id(self) -> str:
+        # fixed width: no id is a prefix of another (engines abort by rid prefix)
+        return f"pdg-{self.instance}-{next(self._seq):012x}"
+
+    def kick(self, w: Worker) -> None:
+        """Ask for an immediate health check of ``w`` (after a connection failure)."""
+        ev = self.kicks.get(w.id)
+        if ev is not None:
+            ev.set()
+
+    def known_models(self) -> set[str]:
+        return self.pool.models() | set(self.cfg.models)
+
+    def up(self) -> Upstream:
+        assert self.upstream is not None, "gateway not started"
+        return self.upstream
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """Background work owned by the gateway (aborts, tails); awaited at shutdown."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed: %r", task.exception())
+
+    def move(self, rec: Record, to: Any, reason: str | None = None) -> None:
+        transition(rec, to, self.now(), self.observers, reason)
+
+    def abort_leg(self, rec: Record | None, att: Any, w: Worker) -> None:
+        """Send /abort_request for ``att`` to ``w`` in the background; the result goes on the trace."""
+        self.spawn(self._abort(att, w))
+
+    async def _abort(self, att: Any, w: Worker) -> None:
+        att.event(self.now(), "abort_sent", w.role)
+        try:
+            status = await self.up().abort(w.url, att.rid)
+            result = "ok" if status == 200 else f"http_{status}"
+        except (OSError, TimeoutError, Exception) as exc:
+            result = "error"
+            att.event(self.now(), "abort_error", f"{w.role}: {exc.__class__.__name__}")
+        else:
+            att.event(self.now(), "abort_acked", f"{w.role}: {result}")
+        self.metrics.aborts.labels(w.role, result).inc()
+
+    async def start(self) -> None:
+        self.upstream = Upstream(self.cfg.connect_timeout_s, self.cfg.abort_timeout_s)
+
+    async def stop(self) -> None:
+        for t in list(self.tasks.values()):
+            t.cancel()
+        if self.background:
+            await asyncio.wait(list(self.background), timeout=self.cfg.abort_timeout_s + 1)
+        if self.upstream is not None:
+            await self.upstream.close()

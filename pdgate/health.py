@@ -1,0 +1,116 @@
+"""Active health checks, restart detection and progress-based (gray failure) detection.
+
+One task per worker, owned by the app. Each check: ``GET /health``, then ``/server_info``
+(identity, served model, fixes) and ``/v1/loads?include=disagg`` (engine queue counts).
+- ``failures`` consecutive failed checks -> down: its live requests are failed or retried
+  at once (not left to their deadlines).
+- A new identity, or up again after down -> restarted: the same, and counted.
+- Holding our requests with no progress for ``degraded_after_s`` -> degraded (no new
+  requests; the affected traces get an event); it recovers on progress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+
+from pdgate import protocol
+from pdgate.gateway import Gateway
+from pdgate.workers import Worker
+
+log = logging.getLogger("pdgate.health")
+
+
+async def check(gw: Gateway, w: Worker) -> None:
+    cfg = gw.cfg.health
+    info: Any = None
+    ok = False
+    try:
+        status, _ = await gw.up().get_text(w.url + protocol.HEALTH_PATH, cfg.timeout_s)
+        ok = status == 200
+        if ok:
+            _, info = await gw.up().get_json(w.url + protocol.SERVER_INFO_PATH, cfg.timeout_s)
+            _, loads = await gw.up().get_json(w.url + protocol.LOADS_PATH + "?include=disagg", cfg.timeout_s)
+            w.engine = _engine_counts(loads)
+        else:
+            w.last_error = f"/health answered {status}"
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        w.last_error = f"{exc.__class__.__name__}: {exc}"
+    if ok:
+        on_up(gw, w, info if isinstance(info, dict) else {})
+    else:
+        on_failed_check(gw, w)
+    w.checked = True
+    check_progress(gw, w)
+
+
+def _engine_counts(loads: Any) -> dict[str, Any]:
+    if not isinstance(loads, dict) or not loads.get("loads"):
+        return {}
+    first = loads["loads"][0]
+    out = {k: first.get(k) for k in ("num_running_reqs", "num_waiting_reqs") if k in first}
+    out.update(first.get("disagg") or {})
+    return out
+
+
+def on_up(gw: Gateway, w: Worker, info: dict[str, Any]) -> None:
+    ident = info.get(protocol.IDENTITY_FIELD)
+    restarted = None
+    if w.identity is not None and ident is not None and ident != w.identity:
+        restarted = "new identity"
+    elif w.checked and not w.healthy and w.health_failures >= gw.cfg.health.failures and ident is None:
+        restarted = "health down->up"
+    if ident is not None:
+        w.identity = ident
+    w.fixes = info.get(protocol.FIXES_FIELD)
+    served = info.get("served_model_name") or info.get("model_path")
+    w.models = (served,) if isinstance(served, str) else ()
+    w.has_extension = info.get("pdgate_engine") is not None
+    w.healthy, w.health_failures, w.last_error = True, 0, None
+    if restarted:
+        w.restarts += 1
+        gw.metrics.restarts.labels(w.id).inc()
+        lost = w.lose_all(f"{w.id} restarted ({restarted})")
+        gw.metrics.lost.labels(w.id).inc(lost)
+        w.breaker.success()
+        log.warning("worker %s (%s) restarted: %s; %d live requests failed over", w.id, w.url, restarted, lost)
+
+
+def on_failed_check(gw: Gateway, w: Worker) -> None:
+    w.health_failures += 1
+    if w.health_failures >= gw.cfg.health.failures and (w.healthy or not w.checked):
+        was = w.healthy
+        w.healthy = False
+        lost = w.lose_all(f"{w.id} down ({w.last_error})")
+        gw.metrics.lost.labels(w.id).inc(lost)
+        if was:
+            log.warning("worker %s (%s) down: %s; %d live requests failed over", w.id, w.url, w.last_error, lost)
+
+
+def check_progress(gw: Gateway, w: Worker) -> None:
+    stalled = w.stalled_for(gw.now())
+    if stalled >= gw.cfg.health.degraded_after_s and not w.degraded:
+        w.degraded = True
+        for b in list(w.bound):
+            note = getattr(b, "note", None)
+            if note is not None:
+                note("worker_degraded", f"{w.id}: no progress for {stalled:.1f}s")
+        log.warning("worker %s degraded: holds %d of our requests with no progress for %.1fs", w.id, w.load, stalled)
+
+
+async def run(gw: Gateway, w: Worker) -> None:
+    kick = gw.kicks.setdefault(w.id, asyncio.Event())
+    while w.id in gw.pool.by_id:
+        kick.clear()
+        try:
+            await check(gw, w)
+        except Exception:  # a health loop must survive anything a worker answers
+            log.exception("health check of %s failed", w.id)
+        try:
+            await asyncio.wait_for(kick.wait(), gw.cfg.health.interval_s)
+        except TimeoutError:
+            pass
+    gw.kicks.pop(w.id, None)

@@ -1,0 +1,93 @@
+"""Live records and a bounded ring of finished ones; their JSON shape for the API and CLI."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from pdgate.record import Record, phase_label
+
+
+class Traces:
+    def __init__(self, ring_size: int) -> None:
+        self.live: dict[str, Record] = {}
+        self.finished: OrderedDict[str, Record] = OrderedDict()
+        self._ring = ring_size
+
+    def add(self, rec: Record) -> None:
+        self.live[rec.id] = rec
+
+    def finish(self, rec: Record) -> None:
+        self.live.pop(rec.id, None)
+        self.finished[rec.id] = rec
+        while len(self.finished) > self._ring:
+            self.finished.popitem(last=False)
+
+    def get(self, rid: str) -> Record | None:
+        return self.live.get(rid) or self.finished.get(rid)
+
+    def oldest_age(self, now: float) -> float:
+        return max((now - r.created for r in self.live.values()), default=0.0)
+
+    def query(self, now: float, phase: str | None = None, worker: str | None = None,
+              min_age_s: float | None = None) -> list[Record]:
+        out = []
+        for r in self.live.values():
+            if phase is not None and r.phase.value != phase and phase_label(r.phase) != phase:
+                continue
+            a = r.attempt
+            if worker is not None and (a is None or worker not in (a.prefill, a.decode)):
+                continue
+            if min_age_s is not None and now - r.created < min_age_s:
+                continue
+            out.append(r)
+        return out
+
+
+def _rel(t: float | None, base: float) -> float | None:
+    return None if t is None else round(t - base, 6)
+
+
+def summary(rec: Record, now: float) -> dict[str, Any]:
+    a = rec.attempt
+    d = rec.deadlines
+    kind, due = d.due(rec.first_token_at, rec.last_token_at)
+    return {
+        "id": rec.id, "route": rec.route, "model": rec.model, "stream": rec.stream,
+        "phase": phase_label(rec.phase), "age_s": round(now - rec.created, 3),
+        "attempt": len(rec.attempts), "prefill": a.prefill if a else None, "decode": a.decode if a else None,
+        "rid": a.rid if a else None, "chunks": rec.chunks,
+        "deadline": {"next": kind, "left_s": round(due - now, 3)} if rec.live else None,
+        "outcome": rec.outcome.value if rec.outcome else None,
+    }
+
+
+def full(rec: Record, now: float, engine: dict[str, Any] | None = None) -> dict[str, Any]:
+    base = rec.created
+    d = rec.deadlines
+    out = summary(rec, now)
+    out.update({
+        "client_request_id": rec.client_request_id,
+        "created_at": rec.created_wall,
+        "status": rec.status,
+        "reason": rec.reason,
+        "ended_phase": phase_label(rec.ended_phase) if rec.ended_phase else None,
+        "budgets_s": {"total": d.total_s, "ttft": d.ttft_s, "idle": d.idle_s},
+        "phases": [{"t": _rel(t, base), "phase": p} for t, p in rec.history],
+        "timings_s": {
+            "ttft": _rel(rec.first_token_at, base),
+            "e2e": _rel(rec.finished_at, base),
+            "tpot": (round((rec.last_token_at - rec.first_token_at) / max(rec.chunks - 1, 1), 6)
+                     if rec.first_token_at is not None and rec.last_token_at is not None and rec.chunks > 1 else None),
+        },
+        "tokens": {"prompt": rec.prompt_tokens, "completion": rec.completion_tokens, "chunks": rec.chunks},
+        "attempts": [
+            {"n": a.n, "rid": a.rid, "prefill": a.prefill, "decode": a.decode, "bootstrap_room": a.room,
+             "error": a.error, "events": [{"t": _rel(t, base), "event": name, **({"info": info} if info is not None else {})}
+                                          for t, name, info in a.events]}
+            for a in rec.attempts
+        ],
+    })
+    if engine:
+        out["engine"] = engine
+    return out
