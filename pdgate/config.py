@@ -82,6 +82,9 @@ class GatewayConfig:
     connect_timeout_s: float = 2.0
     abort_timeout_s: float = 2.0
     instance_id: str | None = None
+    # Safety switch for demonstrations and tests: with false the gateway never calls
+    # /abort_request (like today's routers) and leaves cleanup to the engines.
+    abort_legs: bool = True
     deadlines: DeadlineConfig = field(default_factory=DeadlineConfig)
     models: dict[str, Budgets] = field(default_factory=dict)
     health: HealthConfig = field(default_factory=HealthConfig)

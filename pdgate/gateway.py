@@ -80,7 +80,8 @@ class Gateway:
 
     def abort_leg(self, rec: Record | None, att: Any, w: Worker) -> None:
         """Send /abort_request for ``att`` to ``w`` in the background; the result goes on the trace."""
-        self.spawn(self._abort(att, w))
+        if self.cfg.abort_legs:
+            self.spawn(self._abort(att, w))
 
     async def _abort(self, att: Any, w: Worker) -> None:
         att.event(self.now(), "abort_sent", w.role)

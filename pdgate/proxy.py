@@ -66,7 +66,7 @@ class Bind:
 
 
 class Ctx:
-    __slots__ = ("body", "gw", "merge_logprobs", "rec", "request", "resp", "route", "stream_error")
+    __slots__ = ("body", "gw", "merge_logprobs", "rec", "request", "resp", "route", "stream_error", "watchdog")
 
     def __init__(self, gw: Gateway, request: web.Request, rec: Record, route: str, body: dict[str, Any]) -> None:
         self.gw = gw
@@ -76,6 +76,7 @@ class Ctx:
         self.body = body
         self.resp: web.StreamResponse | None = None
         self.stream_error: str | None = None
+        self.watchdog: Watchdog | None = None
         self.merge_logprobs = route == validation.GENERATE and bool(body.get("return_logprob"))
 
     async def start_stream(self) -> web.StreamResponse:
@@ -99,6 +100,8 @@ class Ctx:
         rec = self.rec
         if rec.first_token_at is None:
             rec.first_token_at = now
+            if self.watchdog is not None:  # the idle budget may end before the TTFT one would have
+                self.watchdog.rearm()
         if rec.phase in (Phase.PREFILL, Phase.TRANSFER):
             self.gw.move(rec, Phase.DECODE)
 
@@ -116,6 +119,11 @@ class Watchdog:
     def arm(self) -> None:
         _, when = self.rec.deadlines.due(self.rec.first_token_at, self.rec.last_token_at)
         self.handle = self.loop.call_at(when + self.offset, self._fire)
+
+    def rearm(self) -> None:
+        """Deadlines only move later as tokens arrive, except at the first token (TTFT -> idle)."""
+        self.disarm()
+        self.arm()
 
     def _fire(self) -> None:
         kind, when = self.rec.deadlines.due(self.rec.first_token_at, self.rec.last_token_at)
@@ -163,7 +171,7 @@ async def serve(ctx: Ctx) -> web.StreamResponse:
     task = asyncio.current_task()
     assert task is not None
     gw.tasks[rec.id] = task
-    wd = Watchdog(gw, rec, task)
+    wd = ctx.watchdog = Watchdog(gw, rec, task)
     wd.arm()
     try:
         body = await dispatch(ctx)
@@ -318,7 +326,7 @@ async def prefill_tail(gw: Gateway, att: Attempt, pw: Worker, p_task: asyncio.Ta
     if not done:
         att.event(gw.now(), "prefill_orphaned", f"no prefill answer {gw.cfg.prefill_grace_s:g}s after decode finished")
         p_task.cancel()
-        await gw._abort(att, pw)
+        gw.abort_leg(None, att, pw)
 
 
 async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes) -> bytes:

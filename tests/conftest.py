@@ -21,3 +21,14 @@ def procs() -> Iterator[Procs]:
 async def http() -> AsyncIterator[aiohttp.ClientSession]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
         yield s
+
+
+@pytest.fixture
+async def gateways() -> AsyncIterator[list[object]]:
+    """Collects gateways a test starts (tests.pdgate.harness.start_gateway) and stops them."""
+    started: list[object] = []
+    try:
+        yield started
+    finally:
+        for g in reversed(started):
+            await g.close()  # type: ignore[attr-defined]

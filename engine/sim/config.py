@@ -125,6 +125,7 @@ class SimConfig:
     inflight_timeout: float = 60.0
     stall_threshold: int = 16384
     unsafe_kernel: bool = False
+    disconnect_notice_s: float = 4.0
 
     @classmethod
     def from_env(cls, **kw: Any) -> SimConfig:
@@ -132,6 +133,7 @@ class SimConfig:
         cfg.bootstrap_timeout = _env_float("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300.0)
         cfg.waiting_timeout = _env_float("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300.0)
         cfg.inflight_timeout = _env_float("SGLANG_DSV4_PREFILL_INFLIGHT_TIMEOUT", 60.0)
+        cfg.disconnect_notice_s = _env_float("SGLANG_REQUEST_STATE_WAIT_TIMEOUT", 4.0)
         cfg.stall_threshold = int(_env_float("SIM_STALL_THRESHOLD_TOKENS", 16384))
         cfg.unsafe_kernel = os.environ.get("SGLANG_SM120_MMA_TARGET_CTAS", "") == "512"
         for name in FAULTS:

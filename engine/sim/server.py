@@ -185,9 +185,28 @@ def generate_handler(route: str) -> Callable[[web.Request], Awaitable[web.Stream
     return handle
 
 
-async def _prefill(request: web.Request, engine: Engine, ps: Parsed, req: SimRequest, model: str) -> web.StreamResponse:
+def _detached(engine: Engine, work: Awaitable[Any]) -> asyncio.Task[Any]:
+    """Run engine work apart from the HTTP handler: like SGLang, a client that leaves is
+    noticed only at the next state wait (SGLANG_REQUEST_STATE_WAIT_TIMEOUT) and then
+    aborted through the normal abort path, race and all."""
+    task = asyncio.ensure_future(work)
+    engine.track(task)
+    return task
+
+
+async def _await_or_abort(engine: Engine, req: SimRequest, task: asyncio.Task[Any]) -> Any:
     try:
-        first = await engine.prefill(req)
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        if not task.done():
+            engine.abort_later(req.rid)
+        raise
+
+
+async def _prefill(request: web.Request, engine: Engine, ps: Parsed, req: SimRequest, model: str) -> web.StreamResponse:
+    task = _detached(engine, engine.prefill(req))
+    try:
+        first = await _await_or_abort(engine, req, task)
     except EngineError as exc:
         return error(exc.status, exc.message, exc.kind)
     finish = {"type": "length", "length": 1}
@@ -201,14 +220,14 @@ async def _prefill(request: web.Request, engine: Engine, ps: Parsed, req: SimReq
 
 
 async def _decode(request: web.Request, engine: Engine, ps: Parsed, req: SimRequest, model: str) -> web.StreamResponse:
-    task = asyncio.create_task(engine.decode(req))
+    task = _detached(engine, engine.decode(req))
+    if not ps.stream:
+        try:
+            await _await_or_abort(engine, req, task)
+        except EngineError as exc:
+            return error(exc.status, exc.message, exc.kind)
+        return jsonr(full_body(ps, req, req.tokens, req.finish, model, "decode"))
     try:
-        if not ps.stream:
-            try:
-                await task
-            except EngineError as exc:
-                return error(exc.status, exc.message, exc.kind)
-            return jsonr(full_body(ps, req, req.tokens, req.finish, model, "decode"))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
         sent = 0
@@ -230,8 +249,10 @@ async def _decode(request: web.Request, engine: Engine, ps: Parsed, req: SimRequ
         await resp.write(DONE)
         await resp.write_eof()
         return resp
-    finally:
-        task.cancel()
+    except (asyncio.CancelledError, ConnectionResetError):
+        if not task.done():
+            engine.abort_later(req.rid)
+        raise
 
 
 # ---- small endpoints ---------------------------------------------------------------

@@ -110,6 +110,7 @@ class Engine:
         self._batch_task: asyncio.Task[None] | None = None
         self.receiver: kv.KVReceiver | None = None
         self._http: aiohttp.ClientSession | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     # ---- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -125,6 +126,8 @@ class Engine:
             self._batch_task = asyncio.create_task(self._batch_loop())
 
     async def close(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
         if self._batch_task is not None:
             self._batch_task.cancel()
         if self.receiver is not None:
@@ -151,6 +154,18 @@ class Engine:
         for r in self.reqs.values():
             counts[r.queue] = counts.get(r.queue, 0) + 1
         return counts
+
+    def track(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def abort_later(self, rid: str) -> None:
+        """A client left: SGLang notices at its next state wait, then aborts by rid."""
+        async def later() -> None:
+            await asyncio.sleep(self.cfg.disconnect_notice_s)
+            self.abort(rid)
+
+        self.track(asyncio.ensure_future(later()))
 
     def abort(self, rid: str, abort_all: bool = False) -> int:
         """SGLang's /abort_request: prefix match on rid; unknown rid is a no-op."""
@@ -285,6 +300,7 @@ class Engine:
             req.tokens.append(header["first_token"])
             self.counters.generation_tokens += 1
             self._check_finish(req)
+            req.progress.set()
             if req.finish is None:
                 self.enter(req, "running")
                 self._running.append(req)

@@ -1,0 +1,64 @@
+"""Run the gateway in the test's event loop on a real loopback port, in front of real sim processes."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from pdgate.config import GatewayConfig, HealthConfig, WorkerSpec, validate
+from pdgate.gateway import Gateway
+from pdgate.server import build_app, serve
+from tests.engine.simclient import engine_requests
+from tests.procs import Sim, free_port
+
+
+@dataclasses.dataclass
+class Running:
+    url: str
+    gw: Gateway
+    runner: web.AppRunner
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+def make_config(prefills: Iterable[Sim], decodes: Iterable[Sim], **kw: Any) -> GatewayConfig:
+    health = kw.pop("health", HealthConfig(interval_s=0.5, timeout_s=0.5, failures=2, degraded_after_s=30))
+    return validate(GatewayConfig(
+        port=free_port(),
+        prefill=tuple(WorkerSpec(url=p.url, role="prefill", bootstrap_port=p.bootstrap_port) for p in prefills),
+        decode=tuple(WorkerSpec(url=d.url, role="decode") for d in decodes),
+        health=health,
+        **kw,
+    ))
+
+
+async def start_gateway(cfg: GatewayConfig) -> Running:
+    gw = Gateway(cfg)
+    runner = await serve(build_app(cfg, gw), cfg.host, cfg.port)
+    return Running(f"http://127.0.0.1:{cfg.port}", gw, runner)
+
+
+async def assert_clean(http: aiohttp.ClientSession, gw: Gateway, workers: Iterable[Sim], within: float = 2.0) -> None:
+    """Nothing leaked: every engine holds no request and the gateway has no live record, within ``within`` s."""
+    workers = list(workers)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within
+    while True:
+        held = {w.role + str(w.port): await engine_requests(http, w) for w in workers}
+        held = {k: v for k, v in held.items() if v}
+        live = list(gw.traces.live)
+        if not held and not live and not gw.tasks:
+            return
+        if loop.time() > end:
+            raise AssertionError(f"leaked after {within}s: engines={held} gateway live={live}")
+        await asyncio.sleep(0.05)
+
+
+def worker_id(gw: Gateway, sim: Sim) -> str:
+    return next(w.id for w in gw.pool.by_id.values() if w.url == sim.url)

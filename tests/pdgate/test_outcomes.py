@@ -1,0 +1,215 @@
+"""Every terminal outcome through the real gateway, real sim processes, the real openai SDK.
+
+After each, ``assert_clean``: no engine holds a request and the gateway has no live record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from tests.engine.simclient import engine_requests, set_faults
+from tests.pdgate.harness import Running, assert_clean, make_config, start_gateway, worker_id
+from tests.procs import Procs, Sim
+
+CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "say hi"}], "max_tokens": 8}
+LONG_CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "context " * 120}], "max_tokens": 64}
+STALL = {"SGLANG_SM120_MMA_TARGET_CTAS": "512", "SIM_STALL_THRESHOLD_TOKENS": "100"}
+
+
+async def gateway(gateways: list[Any], prefills: list[Sim], decodes: list[Sim], **kw: Any) -> Running:
+    g = await start_gateway(make_config(prefills, decodes, **kw))
+    gateways.append(g)
+    return g
+
+
+async def trace(http: aiohttp.ClientSession, g: Running, rid: str) -> dict[str, Any]:
+    async with http.get(f"{g.url}/v1/requests/{rid}") as r:
+        assert r.status == 200
+        return dict(await r.json())
+
+
+async def post(http: aiohttp.ClientSession, g: Running, body: dict[str, Any], headers: dict[str, str] | None = None,
+               path: str = "/v1/chat/completions") -> tuple[int, dict[str, Any], str]:
+    async with http.post(g.url + path, json=body, headers=headers or {}) as r:
+        return r.status, orjson.loads(await r.read()), r.headers["x-request-id"]
+
+
+async def test_completed_openai_sdk_stream_and_not(procs: Procs, http: aiohttp.ClientSession, gateways: list[Any]) -> None:
+    p, d = procs.pair()
+    g = await gateway(gateways, [p], [d])
+    client = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="sim-model", messages=[{"role": "user", "content": "say hi"}], max_tokens=8)
+        r = raw.parse()
+        assert r.usage is not None and r.usage.completion_tokens == 8
+        text = r.choices[0].message.content
+        assert text and len(text.split()) == 8
+        stream = await client.chat.completions.create(
+            model="sim-model", messages=[{"role": "user", "content": "say hi"}], max_tokens=8, stream=True,
+            stream_options={"include_usage": True})
+        parts, usage = [], None
+        async for c in stream:
+            if c.choices:
+                parts.append(c.choices[0].delta.content or "")
+            if c.usage:
+                usage = c.usage
+        assert "".join(parts) == text and usage is not None and usage.completion_tokens == 8
+        comp = await client.completions.create(model="sim-model", prompt="hello", max_tokens=4)
+        assert comp.choices[0].text and comp.usage is not None and comp.usage.completion_tokens == 4
+    finally:
+        await client.close()
+    t = await trace(http, g, raw.headers["x-request-id"])
+    assert t["outcome"] == "completed" and t["status"] == 200
+    assert [ph["phase"] for ph in t["phases"]] == ["queued", "dispatched", "prefill", "decode", "completed"]
+    a = t["attempts"][0]
+    assert a["rid"] == t["id"] + ".1" and {e["event"] for e in a["events"]} >= {"sent", "prefill_done", "decode_done"}
+    await assert_clean(http, g.gw, [p, d])
+
+
+async def test_generate_native_with_logprobs_merged(procs: Procs, http: aiohttp.ClientSession, gateways: list[Any]) -> None:
+    p, d = procs.pair()
+    g = await gateway(gateways, [p], [d])
+    body = {"text": "hello there friend", "sampling_params": {"max_new_tokens": 3}, "return_logprob": True}
+    status, out, _ = await post(http, g, body, path="/generate")
+    assert status == 200
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == 3
+    assert len(meta["input_token_logprobs"]) == 3  # the prefill's list, merged in front of decode's (empty)
+    await assert_clean(http, g.gw, [p, d])
+
+
+@pytest.mark.parametrize("abort_legs", [True, False])
+@pytest.mark.parametrize("failing", ["prefill", "decode"])
+async def test_failed_leg_aborts_the_other(procs: Procs, http: aiohttp.ClientSession, gateways: list[Any],
+                                          failing: str, abort_legs: bool) -> None:
+    p, d = procs.pair()
+    g = await gateway(gateways, [p], [d], max_attempts=2, abort_legs=abort_legs)
+    await set_faults(http, p if failing == "prefill" else d, http_500_rate=1)
+    status, out, rid = await post(http, g, CHAT)
+    assert status == 502 and out["error"]["code"] == "upstream_5xx", out
+    other = d if failing == "prefill" else p
+    if abort_legs:
+        await assert_clean(http, g.gw, [p, d])
+        t = await trace(http, g, rid)
+        assert t["outcome"] == "failed" and len(t["attempts"]) == 2
+        for a in t["attempts"]:
+            acked = [e["info"] for e in a["events"] if e["event"] == "abort_acked"]
+            assert sorted(acked) == ["decode: ok", "prefill: ok"]
+    else:  # without the aborts the healthy leg stays pinned on its engine (until it notices the disconnect)
+        await asyncio.sleep(1.0)
+        assert len(await engine_requests(http, other)) >= 1
+
+
+async def test_aborted_mid_stream_and_before_first_token(procs: Procs, http: aiohttp.ClientSession,
+                                                         gateways: list[Any]) -> None:
+    p, d = procs.sim("prefill"), procs.sim("decode", "--speed", "20")
+    g = await gateway(gateways, [p], [d])
+    body = {**CHAT, "max_tokens": 200, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        resp = await s.post(g.url + "/v1/chat/completions", json=body)
+        rid = resp.headers["x-request-id"]
+        await resp.content.readuntil(b"\n\n")  # got a token
+        resp.close()
+    await assert_clean(http, g.gw, [p, d])
+    t = await trace(http, g, rid)
+    assert t["outcome"] == "aborted" and t["reason"] == "client disconnected" and t["ended_phase"] == "decode"
+    await set_faults(http, p, slow_prefill=5)
+    async with aiohttp.ClientSession() as s:
+        task = asyncio.create_task(s.post(g.url + "/v1/chat/completions", json=CHAT))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    await assert_clean(http, g.gw, [p, d])
+    finished = list(g.gw.traces.finished.values())[-1]
+    assert finished.outcome is not None and finished.outcome.value == "aborted"
+    assert finished.ended_phase is not None and finished.ended_phase.value == "prefill"
+
+
+async def test_ttft_deadline_with_prefill_stuck(procs: Procs, http: aiohttp.ClientSession, gateways: list[Any]) -> None:
+    p, d = procs.pair()
+    g = await gateway(gateways, [p], [d])
+    await set_faults(http, p, slow_prefill=30)
+    t0 = time.monotonic()
+    status, out, rid = await post(http, g, CHAT, {"x-pdgate-ttft-timeout": "1"})
+    took = time.monotonic() - t0
+    assert status == 504 and out["error"]["code"] == "deadline_exceeded"
+    assert "ttft deadline of 1s exceeded in phase prefill+transfer" in out["error"]["message"]
+    assert 0.9 <= took < 2.0
+    await assert_clean(http, g.gw, [p, d])
+    assert (await trace(http, g, rid))["outcome"] == "deadline_exceeded"
+
+
+@pytest.mark.parametrize(("headers", "budget"), [({"x-pdgate-idle-timeout": "1"}, "idle"),
+                                                 ({"x-pdgate-timeout": "1.5", "x-pdgate-idle-timeout": "30"}, "total")])
+async def test_stream_deadline_with_decode_stalled(procs: Procs, http: aiohttp.ClientSession, gateways: list[Any],
+                                                   headers: dict[str, str], budget: str) -> None:
+    """The seed's long-context stall: the client gets an error event within the budget + 1 s."""
+    p, d = procs.sim("prefill"), procs.sim("decode", env=STALL)
+    g = await gateway(gateways, [p], [d])
+    t0 = time.monotonic()
+    async with http.post(g.url + "/v1/chat/completions", json={**LONG_CHAT, "stream": True}, headers=headers) as r:
+        assert r.status == 200
+        raw = await r.read()
+        rid = r.headers["x-request-id"]
+    took = time.monotonic() - t0
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    err = orjson.loads(events[-2][6:])["error"]
+    assert err["code"] == "deadline_exceeded" and f"{budget} deadline" in err["message"] and "phase decode" in err["message"]
+    limit = 1.0 if budget == "idle" else 1.5
+    assert took < limit + 1.0
+    await assert_clean(http, g.gw, [p, d])
+    assert (await trace(http, g, rid))["outcome"] == "deadline_exceeded"
+
+
+async def test_retried_then_completed(procs: Procs, http: aiohttp.ClientSession, gateways: list[Any]) -> None:
+    p_bad, p_ok, d = procs.sim("prefill"), procs.sim("prefill"), procs.sim("decode")
+    g = await gateway(gateways, [p_bad, p_ok], [d], policy="round_robin")
+    await set_faults(http, p_bad, http_500_rate=1)
+    rids = []
+    for _ in range(4):
+        status, _, rid = await post(http, g, CHAT)
+        assert status == 200
+        rids.append(rid)
+    traces = [await trace(http, g, r) for r in rids]
+    retried = [t for t in traces if len(t["attempts"]) == 2]
+    assert retried, "round robin must have sent some first attempts to the failing prefill"
+    bad = worker_id(g.gw, p_bad)
+    for t in retried:
+        assert t["attempts"][0]["prefill"] == bad and t["attempts"][1]["prefill"] != bad
+        assert t["attempts"][0]["bootstrap_room"] != t["attempts"][1]["bootstrap_room"]
+    async with http.get(g.url + "/metrics") as r:
+        assert 'pdgate_retries_total{reason="500"}' in await r.text()
+    await assert_clean(http, g.gw, [p_bad, p_ok, d])
+
+
+async def test_decode_restart_mid_request(procs: Procs, http: aiohttp.ClientSession, gateways: list[Any]) -> None:
+    p, d = procs.sim("prefill"), procs.sim("decode", "--speed", "20")
+    g = await gateway(gateways, [p], [d])
+    dw = g.gw.pool.by_id[worker_id(g.gw, d)]
+    old_identity = dw.identity
+    task = asyncio.create_task(post(http, g, {**CHAT, "max_tokens": 40}))
+    while not await engine_requests(http, d):
+        await asyncio.sleep(0.02)
+    d.proc.stop(signal.SIGKILL)
+    d2 = procs.sim("decode", "--speed", "0", port=d.port)
+    status, out, rid = await asyncio.wait_for(task, 20)
+    assert status == 200, out
+    t = await trace(http, g, rid)
+    assert len(t["attempts"]) >= 2 and t["attempts"][0]["error"]
+    for _ in range(40):
+        if dw.identity != old_identity:
+            break
+        await asyncio.sleep(0.1)
+    assert dw.identity != old_identity and dw.restarts >= 1
+    await assert_clean(http, g.gw, [p, d2])
