@@ -6,7 +6,8 @@ One task per worker, owned by the app. Each check: ``GET /health``, then ``/serv
   at once (not left to their deadlines).
 - A new identity, or up again after down -> restarted: the same, and counted.
 - Holding our requests with no progress for ``degraded_after_s`` -> degraded (no new
-  requests; the affected traces get an event); it recovers on progress.
+  requests; the affected traces get an event); it recovers on progress, or once none of
+  our requests is left on it.
 """
 
 from __future__ import annotations
@@ -91,6 +92,12 @@ def on_failed_check(gw: Gateway, w: Worker) -> None:
 
 
 def check_progress(gw: Gateway, w: Worker) -> None:
+    if w.degraded and w.busy_since is None:
+        # the evidence (our stuck requests) is gone; it gets new requests again and, if still
+        # stuck, is degraded again after degraded_after_s
+        w.degraded = False
+        log.info("worker %s no longer holds stuck requests; available again", w.id)
+        return
     stalled = w.stalled_for(gw.now())
     if stalled >= gw.cfg.health.degraded_after_s and not w.degraded:
         w.degraded = True

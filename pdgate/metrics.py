@@ -15,7 +15,7 @@ from prometheus_client.registry import Collector
 
 from pdgate.record import LIVE, Phase, Record
 
-disable_created_metrics()  # the *_created series double the scrape size and nobody reads them
+disable_created_metrics()  # type: ignore[no-untyped-call]  # the *_created series double the scrape size and nobody reads them
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 

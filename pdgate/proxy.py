@@ -287,7 +287,7 @@ async def run_attempt(ctx: Ctx, att: Attempt, bind: Bind, pw: Worker, dw: Worker
     })
     loop = asyncio.get_running_loop()
     att.event(gw.now(), "sent")
-    p_task = loop.create_task(prefill_leg(ctx, att, pw, payload))
+    p_task = loop.create_task(prefill_leg(ctx, att, pw, payload, bind))
     d_task = loop.create_task(decode_leg(ctx, att, dw, payload))
     gw.move(rec, Phase.PREFILL)
     ok = False
@@ -329,7 +329,7 @@ async def prefill_tail(gw: Gateway, att: Attempt, pw: Worker, p_task: asyncio.Ta
         gw.abort_leg(None, att, pw)
 
 
-async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes) -> bytes:
+async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: Bind) -> bytes:
     gw = ctx.gw
     try:
         async with gw.up().post(w.url + ctx.route, payload) as resp:
@@ -351,6 +351,7 @@ async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes) -> byte
         raise err
     w.breaker.success()
     w.progress(now)
+    w.unbind(bind)  # its part is done: it no longer holds this request (load, stall and restart checks)
     if ctx.resp is None:  # non-streaming: the prefill computed the first token
         ctx.first_token(now)
     return body

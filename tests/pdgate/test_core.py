@@ -1,0 +1,125 @@
+"""Pure core: record transitions, deadline resolution, policies, config validation. No event loop."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdgate import config, deadlines, policies
+from pdgate.config import Budgets, DeadlineConfig
+from pdgate.errors import InvalidDeadline, InvalidField, UpstreamStatus
+from pdgate.record import ALLOWED, TERMINAL, IllegalTransition, Phase, Record, transition
+from pdgate.validation import validate
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def rec(now: float = 100.0, total: float = 10, ttft: float = 3, idle: float = 2) -> Record:
+    d = deadlines.resolve(now, {}, None, None, DeadlineConfig(total_s=total, ttft_s=ttft, idle_s=idle))
+    return Record(id="pdg-x", route="/generate", model=None, stream=True, created=now, created_wall=0, deadlines=d)
+
+
+@pytest.mark.parametrize("module", ["record", "deadlines", "policies", "config", "validation", "errors", "traces",
+                                    "protocol", "workers"])
+def test_core_modules_import_no_aiohttp(module: str) -> None:
+    code = f"import sys, pdgate.{module}; sys.exit('aiohttp' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_transitions_follow_the_table_and_stamp_outcomes() -> None:
+    r = rec()
+    seen = []
+    obs = (lambda rc, a, b, spent: seen.append((a, b, spent)),)
+    transition(r, Phase.DISPATCHED, 100.5, obs)
+    transition(r, Phase.PREFILL, 100.5, obs)
+    transition(r, Phase.DECODE, 101.0, obs)
+    with pytest.raises(IllegalTransition):
+        transition(r, Phase.QUEUED, 101.1)
+    transition(r, Phase.COMPLETED, 102.0, obs, reason=None)
+    assert r.outcome is Phase.COMPLETED and r.ended_phase is Phase.DECODE and r.finished_at == 102.0
+    assert [h[1] for h in r.history] == ["queued", "dispatched", "prefill", "decode", "completed"]
+    assert seen[-1] == (Phase.DECODE, Phase.COMPLETED, 1.0)
+    for t in TERMINAL:
+        assert not ALLOWED[t], "terminal phases are final"
+        with pytest.raises(IllegalTransition):
+            transition(r, t, 103.0)
+
+
+def test_deadline_due_moves_from_ttft_to_idle_to_total() -> None:
+    r = rec(total=10, ttft=3, idle=2)
+    assert r.deadlines.due(None, None) == ("ttft", 103.0)
+    assert r.deadlines.due(101.0, 101.0) == ("idle", 103.0)
+    assert r.deadlines.due(101.0, 109.0) == ("total", 110.0)
+    long_ttft = rec(total=5, ttft=30)
+    assert long_ttft.deadlines.due(None, None) == ("total", 105.0)
+
+
+def test_deadline_precedence_and_caps() -> None:
+    cfg = DeadlineConfig(total_s=60, ttft_s=20, idle_s=10, max_total_s=100, max_ttft_s=50, max_idle_s=30)
+    model = Budgets(total_s=40, ttft_s=None, idle_s=5)
+    d = deadlines.resolve(0, {}, None, model, cfg)
+    assert (d.total_s, d.ttft_s, d.idle_s) == (40, 20, 5)
+    d = deadlines.resolve(0, {}, 30, model, cfg)
+    assert d.total_s == 30
+    d = deadlines.resolve(0, {"x-pdgate-timeout": "7.5", "x-pdgate-idle-timeout": "999"}, 30, model, cfg)
+    assert (d.total_s, d.idle_s, d.total_at) == (7.5, 30, 7.5)
+    for bad in ("0", "-1", "x", "inf", "nan", ""):
+        with pytest.raises(InvalidDeadline):
+            deadlines.resolve(0, {"x-pdgate-ttft-timeout": bad}, None, None, cfg)
+    with pytest.raises(InvalidDeadline):
+        deadlines.resolve(0, {}, True, None, cfg)
+
+
+class W:
+    def __init__(self, load: int) -> None:
+        self.load = load
+
+
+def test_policies() -> None:
+    rr = policies.make("round_robin")
+    assert [rr.select([0, 0, 0]) for _ in range(4)] == [0, 1, 2, 0]
+    ll = policies.make("least_loaded")
+    assert ll.select([3, 1, 2]) == 1
+    assert {ll.select([1, 1, 5]) for _ in range(4)} == {0, 1}
+    p2 = policies.PowerOfTwo(rng=lambda a, b: 0)  # samples workers 0 and 1, keeps the less loaded
+    assert p2.select([5, 1, 2]) == 1 and p2.select([1, 5, 2]) == 0 and p2.select([7]) == 0
+    for name in config.POLICIES:
+        assert policies.make(name).select([]) is None
+    a, b, c = W(0), W(0), W(0)
+    pair = policies.select_pair([a, b], [c], policies.make("least_loaded"), policies.make("least_loaded"),
+                                frozenset({id(a)}))
+    assert pair == (b, c)
+    assert policies.select_pair([a], [c], rr, rr, frozenset({id(a)})) == (a, c), "avoid is a preference"
+    assert policies.select_pair([], [c], rr, rr) is None
+
+
+def test_config_example_loads_and_errors_name_the_key() -> None:
+    cfg = config.load(ROOT / "config" / "pdgate.toml")
+    assert cfg.prefill and cfg.decode and cfg.prefill[0].bootstrap_port
+    with pytest.raises(config.ConfigError, match=r"deadlines.ttf_s"):
+        config.from_mapping({"deadlines": {"ttf_s": 3}})
+    with pytest.raises(config.ConfigError, match=r"gateway.policy = 'random'"):
+        config.from_mapping({"gateway": {"policy": "random"}})
+    with pytest.raises(config.ConfigError, match=r"deadlines.total_s"):
+        config.from_mapping({"deadlines": {"total_s": 9999}})
+    with pytest.raises(config.ConfigError, match=r"prefill\[0\].url"):
+        config.from_mapping({"prefill": [{"url": "ftp://x"}]})
+    with pytest.raises(config.ConfigError, match=r"health.failures"):
+        config.from_mapping({"health": {"failures": 1.5}})
+    spec = config.parse_prefill_flag("http://[::1]:30000/", None)
+    assert spec.host == "[::1]" and spec.bootstrap_port == 8998 and spec.url == "http://[::1]:30000"
+
+
+def test_validation_and_error_mapping() -> None:
+    assert validate("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]}) == ("m", False)
+    assert validate("/generate", {"text": "x", "stream": True}) == (None, True)
+    with pytest.raises(InvalidField) as e:
+        validate("/v1/chat/completions", {"model": "m", "messages": [], "max_tokens": 3})
+    assert e.value.param == "messages" and e.value.body()["error"]["param"] == "messages"
+    assert UpstreamStatus("x", role="decode", worker="d0", upstream_status=400).status == 400
+    assert UpstreamStatus("x", role="decode", worker="d0", upstream_status=429).retryable
+    assert not UpstreamStatus("x", role="decode", worker="d0", upstream_status=404).retryable
+    assert UpstreamStatus("x", role="decode", worker="d0", upstream_status=503).status == 502

@@ -1,0 +1,30 @@
+"""The check gate, run by the test command so CI keeps it: ruff on everything, mypy --strict on pdgate/."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ruff() -> None:
+    r = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_mypy_strict() -> None:
+    r = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- test-command -->", 1)[1].split("<!-- /test-command -->", 1)[0]
+    cmd = [ln for ln in block.strip().splitlines() if not ln.startswith("```")]
+    assert len(cmd) == 1 and "pip install" in cmd[0] and "pytest" in cmd[0]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "test-command" in ci  # .ci/run extracts and runs exactly that block
+    out = subprocess.run(["bash", str(ROOT / ".ci" / "run"), "--print"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout == cmd[0]
