@@ -81,6 +81,7 @@ class GatewayConfig:
     prefill_grace_s: float = 1.0  # after decode finished, how long prefill may still take before it is aborted
     connect_timeout_s: float = 2.0
     abort_timeout_s: float = 2.0
+    abort_repeat_s: tuple[float, ...] = (0.25, 1.0)  # re-abort a leg that had not answered yet, after these delays
     instance_id: str | None = None
     # Safety switch for demonstrations and tests: with false the gateway never calls
     # /abort_request (like today's routers) and leaves cleanup to the engines.
@@ -112,6 +113,10 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
         _positive(f"gateway.{key}", getattr(cfg, key), integer=True)
     for key in ("prefill_grace_s", "connect_timeout_s", "abort_timeout_s"):
         _positive(f"gateway.{key}", getattr(cfg, key))
+    if not isinstance(cfg.abort_repeat_s, tuple) or len(cfg.abort_repeat_s) > 5:
+        raise ConfigError("gateway.abort_repeat_s", cfg.abort_repeat_s, "must be a list of at most 5 delays")
+    for delay in cfg.abort_repeat_s:
+        _positive("gateway.abort_repeat_s", delay)
     d = cfg.deadlines
     for f in dataclasses.fields(d):
         _positive(f"deadlines.{f.name}", getattr(d, f.name))
@@ -167,6 +172,8 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
     if data:
         key = next(iter(data))
         raise ConfigError(key, data[key], "unknown section")
+    if "abort_repeat_s" in top:
+        top["abort_repeat_s"] = tuple(top["abort_repeat_s"]) if isinstance(top["abort_repeat_s"], list) else top["abort_repeat_s"]
     return validate(_build(GatewayConfig, {**top, **sections}, "gateway."))
 
 

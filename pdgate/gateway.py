@@ -78,13 +78,23 @@ class Gateway:
     def move(self, rec: Record, to: Any, reason: str | None = None) -> None:
         transition(rec, to, self.now(), self.observers, reason)
 
-    def abort_leg(self, rec: Record | None, att: Any, w: Worker) -> None:
-        """Send /abort_request for ``att`` to ``w`` in the background; the result goes on the trace."""
-        if self.cfg.abort_legs:
-            self.spawn(self._abort(att, w))
+    def abort_leg(self, att: Any, w: Worker, answered: bool) -> None:
+        """Send /abort_request for ``att`` to ``w`` in the background; results go on the trace.
 
-    async def _abort(self, att: Any, w: Worker) -> None:
-        att.event(self.now(), "abort_sent", w.role)
+        An abort that reaches the engine before the leg's own request is a no-op there
+        (unknown rid), and the leg then runs orphaned. So for a leg that has not answered
+        yet, the abort is repeated after ``abort_repeat_s`` delays."""
+        if self.cfg.abort_legs:
+            self.spawn(self._abort_repeated(att, w, () if answered else self.cfg.abort_repeat_s))
+
+    async def _abort_repeated(self, att: Any, w: Worker, delays: tuple[float, ...]) -> None:
+        await self._abort(att, w)
+        for delay in delays:
+            await asyncio.sleep(delay)
+            await self._abort(att, w, "abort_repeat")
+
+    async def _abort(self, att: Any, w: Worker, name: str = "abort_sent") -> None:
+        att.event(self.now(), name, w.role)
         try:
             status = await self.up().abort(w.url, att.rid)
             result = "ok" if status == 200 else f"http_{status}"

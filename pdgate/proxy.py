@@ -312,8 +312,9 @@ async def run_attempt(ctx: Ctx, att: Attempt, bind: Bind, pw: Worker, dw: Worker
         if not ok:
             p_task.cancel()
             d_task.cancel()
-            gw.abort_leg(rec, att, pw)
-            gw.abort_leg(rec, att, dw)
+            names = {e[1] for e in att.events}
+            gw.abort_leg(att, pw, "prefill_done" in names)
+            gw.abort_leg(att, dw, "decode_headers" in names)
         elif not p_task.done():
             gw.spawn(prefill_tail(gw, att, pw, p_task))
         elif not p_task.cancelled() and p_task.exception() is not None:
@@ -326,7 +327,7 @@ async def prefill_tail(gw: Gateway, att: Attempt, pw: Worker, p_task: asyncio.Ta
     if not done:
         att.event(gw.now(), "prefill_orphaned", f"no prefill answer {gw.cfg.prefill_grace_s:g}s after decode finished")
         p_task.cancel()
-        gw.abort_leg(None, att, pw)
+        gw.abort_leg(att, pw, False)
 
 
 async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: Bind) -> bytes:

@@ -2,72 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from loadtest.procs import ROOT, Proc, free_port, wait_http
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited ({proc.returncode}) before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"{url} did not answer 200 within {timeout}s")
-
-
-@dataclass
-class Proc:
-    args: list[str]
-    env: dict[str, str]
-    log: Path
-    popen: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Proc:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        with open(self.log, "ab") as out:
-            self.popen = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.popen is not None
-        return self.popen.pid
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> None:
-        if self.popen is None or self.popen.poll() is not None:
-            return
-        try:
-            os.kill(self.popen.pid, signal.SIGCONT)
-            self.popen.send_signal(sig)
-            self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(5)
-
-    def logs(self) -> str:
-        return self.log.read_text(errors="replace")
+__all__ = ["ROOT", "Proc", "Procs", "Sim", "free_port", "wait_http"]
 
 
 @dataclass

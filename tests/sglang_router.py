@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import sys
-import time
-import urllib.request
 
-from tests.procs import Proc, Procs, Sim, free_port
+from loadtest.procs import wait_http
+from tests.procs import Procs, Sim, free_port
+
+PING = b'{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}'
 
 
 def start_router(procs: Procs, prefills: list[Sim], decodes: list[Sim], *extra: str) -> str:
@@ -20,24 +21,6 @@ def start_router(procs: Procs, prefills: list[Sim], decodes: list[Sim], *extra: 
         args += ["--decode", d.url]
     proc = procs.spawn([*args, *extra], name="sglang-router")
     url = f"http://127.0.0.1:{port}"
-    _wait_ready(url, proc)
+    # ready once a chat request through it answers 200 (workers registered)
+    wait_http(url + "/v1/chat/completions", timeout=30, proc=proc.popen, data=PING)
     return url
-
-
-def _wait_ready(url: str, proc: Proc, timeout: float = 30.0) -> None:
-    """Ready once a chat request through the router answers 200 (workers registered)."""
-    body = b'{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}'
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        assert proc.popen is not None
-        if proc.popen.poll() is not None:
-            raise RuntimeError(f"sglang-router exited: {proc.logs()[-2000:]}")
-        req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=5) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"sglang-router at {url} not ready in {timeout}s")

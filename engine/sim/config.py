@@ -44,6 +44,7 @@ FAULTS: dict[str, Any] = {
     "ack_loss": _flag,
     "http_500_rate": _rate,
     "slow_prefill": _seconds,
+    "slow_accept": _seconds,
 }
 
 

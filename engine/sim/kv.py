@@ -1,6 +1,7 @@
 """KV-cache transfer between a prefill and a decode worker over TCP (asyncio streams).
 
-One connection per transfer. Prefill sends a JSON header line, then ``nbytes`` of KV
+Connections are pooled per decode receiver (as transfer engines keep theirs open); one
+transfer at a time per connection. Prefill sends a JSON header line, then ``nbytes`` of KV
 data; decode checks the CRC, hands the data to the waiting request and answers ``OK``.
 Failure cases match what NIXL shows (reference/peers.md): a peer that dies resets the
 connection (the sender fails within milliseconds); a peer that freezes with its socket
@@ -36,27 +37,54 @@ def kv_payload(nbytes: int, seed: int) -> bytes:
     return block * reps + block[:rest]
 
 
-async def send_kv(dest: dict[str, Any], header: dict[str, Any], payload: bytes) -> None:
-    """Send one request's KV bytes to ``dest`` and wait for the acknowledgement."""
-    try:
-        reader, writer = await asyncio.open_connection(dest["host"], dest["port"])
-    except OSError as exc:
-        raise TransferFailed(f"connect to decode KV receiver failed: {exc}") from exc
-    try:
-        header = {**header, "nbytes": len(payload), "crc": zlib.crc32(payload)}
-        writer.write(orjson.dumps(header) + b"\n")
-        view = memoryview(payload)
-        for off in range(0, len(view), _CHUNK):
-            writer.write(view[off : off + _CHUNK])
+Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+class KVSender:
+    """Prefill side: a pool of idle connections per decode receiver."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, int], list[Conn]] = {}
+
+    async def send(self, dest: dict[str, Any], header: dict[str, Any], payload: bytes) -> None:
+        """Send one request's KV bytes to ``dest`` and wait for the acknowledgement."""
+        key = (dest["host"], int(dest["port"]))
+        idle = self._idle.setdefault(key, [])
+        fresh = not idle
+        try:
+            reader, writer = idle.pop() if idle else await asyncio.open_connection(*key)
+        except OSError as exc:
+            raise TransferFailed(f"connect to decode KV receiver failed: {exc}") from exc
+        ok = False
+        try:
+            header = {**header, "nbytes": len(payload), "crc": zlib.crc32(payload)}
+            writer.write(orjson.dumps(header) + b"\n")
+            view = memoryview(payload)
+            for off in range(0, len(view), _CHUNK):
+                writer.write(view[off : off + _CHUNK])
+                await writer.drain()
             await writer.drain()
-        await writer.drain()
-        line = await reader.readline()
-    except (OSError, asyncio.IncompleteReadError) as exc:
-        raise TransferFailed(f"KV transfer broke: {exc}") from exc
-    finally:
-        writer.close()
-    if line != ACK:
-        raise TransferFailed(f"decode refused the KV transfer ({line!r})")
+            line = await reader.readline()
+            ok = line == ACK
+        except (OSError, asyncio.IncompleteReadError) as exc:
+            if not fresh:  # a pooled connection the peer closed (it restarted): drop the pool, say why
+                self.drop(key)
+            raise TransferFailed(f"KV transfer broke: {exc!r}") from exc
+        finally:
+            if ok:
+                idle.append((reader, writer))
+            else:
+                writer.close()
+        if not ok:
+            raise TransferFailed(f"decode refused the KV transfer ({line!r})")
+
+    def drop(self, key: tuple[str, int]) -> None:
+        for _, w in self._idle.pop(key, []):
+            w.close()
+
+    def close(self) -> None:
+        for key in list(self._idle):
+            self.drop(key)
 
 
 Deliver = Callable[[dict[str, Any]], bool]
@@ -89,18 +117,19 @@ class KVReceiver:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            header = orjson.loads(await reader.readline())
-            if self._crash():
-                log.error("fault decode_crash: exiting mid-transfer (room %s)", header.get("room"))
-                os._exit(3)
-            await self._before_data()  # a frozen decode stops reading here, socket open
-            data = await reader.readexactly(header["nbytes"])
-            ok = zlib.crc32(data) == header["crc"] and self._deliver(header)
-            if ok and self._drop_ack():
-                await reader.read()  # hold the connection, never acknowledge
-                return
-            writer.write(ACK if ok else NACK)
-            await writer.drain()
+            while line := await reader.readline():
+                header = orjson.loads(line)
+                if self._crash():
+                    log.error("fault decode_crash: exiting mid-transfer (room %s)", header.get("room"))
+                    os._exit(3)
+                await self._before_data()  # a frozen decode stops reading here, socket open
+                data = await reader.readexactly(header["nbytes"])
+                ok = zlib.crc32(data) == header["crc"] and self._deliver(header)
+                if ok and self._drop_ack():
+                    await reader.read()  # hold the connection, never acknowledge
+                    return
+                writer.write(ACK if ok else NACK)
+                await writer.drain()
         except (OSError, asyncio.IncompleteReadError, orjson.JSONDecodeError, KeyError):
             pass
         finally:

@@ -109,6 +109,8 @@ class Engine:
         self._wake = asyncio.Event()
         self._batch_task: asyncio.Task[None] | None = None
         self.receiver: kv.KVReceiver | None = None
+        self.sender = kv.KVSender()
+        self._routes: set[str] = set()  # bootstrap servers whose /route we already know (SGLang caches it)
         self._http: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -132,6 +134,7 @@ class Engine:
             self._batch_task.cancel()
         if self.receiver is not None:
             await self.receiver.close()
+        self.sender.close()
         if self._http is not None:
             await self._http.close()
 
@@ -185,6 +188,11 @@ class Engine:
             return False
         return True
 
+    async def _accept_delay(self) -> None:
+        """Fault slow_accept: the request reaches the scheduler late; an abort sent earlier finds nothing."""
+        if self.cfg.faults.slow_accept:
+            await asyncio.sleep(self.cfg.faults.slow_accept)
+
     # ---- prefill -----------------------------------------------------------------
     def register_room(self, room: int, dest: dict[str, Any]) -> bool:
         fut = self._rooms.get(room)
@@ -198,6 +206,7 @@ class Engine:
     async def prefill(self, req: SimRequest) -> str:
         """Run one prefill; returns the first output token or raises EngineError."""
         assert req.room is not None
+        await self._accept_delay()
         self.enter(req, "bootstrap")
         room_fut = self._rooms.get(req.room)
         if room_fut is None:
@@ -229,7 +238,7 @@ class Engine:
     async def _transfer(self, req: SimRequest, dest: dict[str, Any], first: str) -> None:
         payload = kv.kv_payload(req.prompt_tokens * self.cfg.kv_bytes_per_token, req.room or 0)
         header = {"room": req.room, "rid": req.rid, "first_token": first}
-        send = asyncio.ensure_future(kv.send_kv(dest, header, payload))
+        send = asyncio.ensure_future(self.sender.send(dest, header, payload))
         watchdog = self.cfg.inflight_timeout if "C" in self.cfg.fixes else None
         try:
             await self._until(req, send, watchdog, "inflight")
@@ -279,6 +288,7 @@ class Engine:
     async def decode(self, req: SimRequest) -> None:
         """Run decode until the request finishes; tokens appear on ``req.tokens``."""
         assert self.receiver is not None and self._http is not None
+        await self._accept_delay()
         req.kv_header = asyncio.get_running_loop().create_future()
         if req.room in self._by_room:
             raise EngineError(400, f"bootstrap_room {req.room} is already in use on this decode worker")
@@ -320,11 +330,14 @@ class Engine:
         base = f"http://{req.bootstrap_host}:{req.bootstrap_port}"
         body = {"room": req.room, "rid": req.rid, "dest": {"host": self.cfg.host, "port": self.receiver.port}}
         try:
-            async with self._http.get(f"{base}/route") as r:
-                r.raise_for_status()
+            if base not in self._routes:
+                async with self._http.get(f"{base}/route") as r:
+                    r.raise_for_status()
+                self._routes.add(base)
             async with self._http.post(f"{base}/register_room", json=body) as r:
                 r.raise_for_status()
         except (aiohttp.ClientError, TimeoutError) as exc:
+            self._routes.discard(base)
             self.counters.bootstrap_failed += 1
             raise EngineError(500, f"bootstrap handshake with {base} failed: {exc}") from None
 

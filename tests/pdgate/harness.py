@@ -45,17 +45,24 @@ async def start_gateway(cfg: GatewayConfig) -> Running:
 
 
 async def assert_clean(http: aiohttp.ClientSession, gw: Gateway, workers: Iterable[Sim], within: float = 2.0) -> None:
-    """Nothing leaked: every engine holds no request and the gateway has no live record, within ``within`` s."""
+    """Nothing leaked: every engine holds no request and the gateway has no live record, within ``within`` s.
+
+    Clean must hold on two looks 0.3 s apart, so a leg still on its way cannot pass for clean."""
     workers = list(workers)
     loop = asyncio.get_running_loop()
     end = loop.time() + within
+    clean_since: float | None = None
     while True:
         held = {w.role + str(w.port): await engine_requests(http, w) for w in workers}
         held = {k: v for k, v in held.items() if v}
         live = list(gw.traces.live)
         if not held and not live and not gw.tasks:
-            return
-        if loop.time() > end:
+            clean_since = clean_since or loop.time()
+            if loop.time() - clean_since >= 0.3:
+                return
+        else:
+            clean_since = None
+        if loop.time() > end + 0.3:
             raise AssertionError(f"leaked after {within}s: engines={held} gateway live={live}")
         await asyncio.sleep(0.05)
 

@@ -102,11 +102,30 @@ async def test_failed_leg_aborts_the_other(procs: Procs, http: aiohttp.ClientSes
         t = await trace(http, g, rid)
         assert t["outcome"] == "failed" and len(t["attempts"]) == 2
         for a in t["attempts"]:
-            acked = [e["info"] for e in a["events"] if e["event"] == "abort_acked"]
-            assert sorted(acked) == ["decode: ok", "prefill: ok"]
+            acked = {e["info"] for e in a["events"] if e["event"] == "abort_acked"}
+            assert acked == {"decode: ok", "prefill: ok"}
     else:  # without the aborts the healthy leg stays pinned on its engine (until it notices the disconnect)
         await asyncio.sleep(1.0)
         assert len(await engine_requests(http, other)) >= 1
+
+
+@pytest.mark.parametrize("repeat", [(0.25, 1.0), ()])
+async def test_abort_that_beats_the_leg_is_repeated(procs: Procs, http: aiohttp.ClientSession, gateways: list[Any],
+                                                    repeat: tuple[float, ...]) -> None:
+    """The prefill fails at once; the decode's request reaches its scheduler 0.5 s later, after the first abort."""
+    p, d = procs.pair()
+    g = await gateway(gateways, [p], [d], max_attempts=1, abort_repeat_s=repeat)
+    await set_faults(http, p, http_500_rate=1)
+    await set_faults(http, d, slow_accept=0.5)
+    status, _, rid = await post(http, g, CHAT)
+    assert status == 502
+    await asyncio.sleep(1.5)  # the decode's request has reached its scheduler by now
+    if repeat:
+        await assert_clean(http, g.gw, [p, d], within=0.5)
+        events = [e["event"] for e in (await trace(http, g, rid))["attempts"][0]["events"]]
+        assert events.count("abort_repeat") == 2
+    else:
+        assert [r["rid"] for r in await engine_requests(http, d)] == [rid + ".1"], "the first abort came too early"
 
 
 async def test_aborted_mid_stream_and_before_first_token(procs: Procs, http: aiohttp.ClientSession,

@@ -1,0 +1,192 @@
+"""``python -m loadtest bench``: throughput and latency of gateways; ``--compare`` runs them side by side.
+
+``--compare`` starts one prefill + one decode sim worker (``--speed 0``: free compute) once,
+then measures, in one run and on the same workers: direct (the load generator plays the
+router and sends both legs itself), pdgate, sglang-router PD and, with ``--mini-lb``,
+sglang's Python mini load balancer. For each target and workload it reports requests/s,
+latency percentiles, the target's CPU per request (its process tree, from /proc) and the
+load generator's own CPU share (to show it is not the bottleneck), and each result as a
+ratio to direct. Writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from loadtest.procs import Proc, cpu_seconds, free_port, wait_http
+
+PING = b'{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}'
+WORKLOADS = {"ns16": (16, False), "ns64": (64, False), "s64": (64, True)}
+
+
+def gen(args: list[str]) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "loadtest.gen", *args], capture_output=True, text=True, check=True)
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+class Stack:
+    """The processes of one --compare run; all stopped at the end, by PID."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[Proc] = []
+
+    def spawn(self, name: str, args: list[str]) -> Proc:
+        p = Proc(args, {}, self.tmp / f"{name}.log").start()
+        self.procs.append(p)
+        return p
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+
+
+def start_targets(stack: Stack, mini_lb: bool) -> tuple[dict[str, Any], dict[str, tuple[str, Proc | None]]]:
+    py = sys.executable
+    pp, bp, dp = free_port(), free_port(), free_port()
+    pre = stack.spawn("prefill", [py, "-m", "engine.sim", "--role", "prefill", "--port", str(pp), "--bootstrap-port",
+                                  str(bp), "--speed", "0", "--log-level", "WARNING"])
+    dec = stack.spawn("decode", [py, "-m", "engine.sim", "--role", "decode", "--port", str(dp), "--speed", "0",
+                                 "--log-level", "WARNING"])
+    workers = {"prefill": f"http://127.0.0.1:{pp}", "bootstrap_port": bp, "decode": f"http://127.0.0.1:{dp}"}
+    wait_http(workers["prefill"] + "/health", proc=pre.popen)
+    wait_http(workers["decode"] + "/health", proc=dec.popen)
+    targets: dict[str, tuple[str, Proc | None]] = {"direct": ("", None)}
+    gp = free_port()
+    g = stack.spawn("pdgate", [py, "-m", "pdgate", "serve", "--port", str(gp), "--prefill", workers["prefill"], str(bp),
+                               "--decode", workers["decode"], "--log-level", "WARNING"])
+    targets["pdgate"] = (f"http://127.0.0.1:{gp}", g)
+    routers = [("sglang-router", [])] + ([("mini_lb", ["--mini-lb"])] if mini_lb else [])
+    for name, extra in routers:
+        rp = free_port()
+        r = stack.spawn(name, [py, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
+                               "--port", str(rp), "--prefill", workers["prefill"], str(bp), "--decode", workers["decode"],
+                               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                               "--log-level", "warn", *extra])
+        targets[name] = (f"http://127.0.0.1:{rp}", r)
+    for url, proc in targets.values():
+        if url:
+            wait_http(url + "/v1/chat/completions", timeout=60, proc=proc.popen if proc else None, data=PING)
+    return workers, targets
+
+
+def measure(workers: dict[str, Any], url: str, proc: Proc | None, conc: int, stream: bool, duration: float) -> dict[str, Any]:
+    args = ["--concurrency", str(conc), "--duration", str(duration)] + (["--stream"] if stream else [])
+    if url:
+        args += ["--mode", "gateway", "--url", url]
+    else:
+        args += ["--mode", "direct", "--prefill", workers["prefill"], "--bootstrap-port", str(workers["bootstrap_port"]),
+                 "--decode", workers["decode"]]
+    cpu0 = cpu_seconds(proc.pid) if proc else 0.0
+    t0 = time.monotonic()
+    res = gen(args)
+    total = time.monotonic() - t0
+    if proc is not None:
+        cpu = cpu_seconds(proc.pid) - cpu0
+        n_total = res["ok"] * total / max(res["seconds"], 1e-9)  # include warm-up requests in the CPU share
+        res["target_cpu_us_per_req"] = round(cpu / max(n_total, 1) * 1e6, 1)
+        res["target_cpu_share"] = round(cpu / total, 3)
+    return res
+
+
+def compare(a: argparse.Namespace) -> dict[str, Any]:
+    console = Console()
+    tmp = Path(tempfile.mkdtemp(prefix="pdgate-bench-"))
+    stack = Stack(tmp)
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    try:
+        workers, targets = start_targets(stack, a.mini_lb)
+        runs = [(w, t, r) for r in range(a.repeats) for w in a.workloads for t in targets]
+        with Progress(console=console) as bar:
+            job = bar.add_task("bench", total=len(runs))
+            for wl, name, rep in runs:
+                conc, stream = WORKLOADS[wl]
+                bar.update(job, description=f"{wl} {name} #{rep + 1}")
+                url, proc = targets[name]
+                res = measure(workers, url, proc, conc, stream, a.duration)
+                results.setdefault(wl, {}).setdefault(name, []).append(res)
+                bar.advance(job)
+    finally:
+        stack.close()
+    summary = summarize(results)
+    out = {"command": " ".join(sys.argv), "duration_s": a.duration, "repeats": a.repeats, "logs": str(tmp),
+           "results": summary, "raw": results}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2))
+    print_table(console, summary)
+    plot(summary, Path(a.out).with_suffix(".png"))
+    console.print(f"wrote {a.out} and {Path(a.out).with_suffix('.png')}")
+    return out
+
+
+def summarize(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Median over repeats; ratios to direct."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for wl, by_target in results.items():
+        out[wl] = {}
+        for name, runs in by_target.items():
+            keys = [k for k in runs[0] if isinstance(runs[0][k], (int, float))]
+            out[wl][name] = {k: round(statistics.median(r[k] for r in runs), 3) for k in keys}
+        base = out[wl].get("direct", {}).get("rps") or 0
+        for m in out[wl].values():
+            m["rps_vs_direct"] = round(m["rps"] / base, 3) if base else None
+    return out
+
+
+def print_table(console: Console, summary: dict[str, dict[str, dict[str, Any]]]) -> None:
+    t = Table(title="PD gateways on the same sim workers (speed 0)")
+    for col in ("workload", "target", "req/s", "vs direct", "p50 ms", "p99 ms", "target CPU µs/req", "gen CPU share", "errors"):
+        t.add_column(col, justify="right")
+    for wl, by in summary.items():
+        for name, m in by.items():
+            t.add_row(wl, name, f"{m['rps']:.0f}", f"{m['rps_vs_direct']:.2f}", f"{m['p50_ms']:.1f}", f"{m['p99_ms']:.1f}",
+                      str(m.get("target_cpu_us_per_req", "-")), f"{m['generator_cpu_share']:.2f}", str(int(m["errors"])))
+    console.print(t)
+
+
+def plot(summary: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib not installed: no {path}", file=sys.stderr)
+        return
+    wls = list(summary)
+    names = list(next(iter(summary.values())))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(names)
+    for i, n in enumerate(names):
+        xs = [j + i * width for j in range(len(wls))]
+        axes[0].bar(xs, [summary[w][n]["rps"] for w in wls], width, label=n)
+        axes[1].bar(xs, [summary[w][n].get("target_cpu_us_per_req", 0) for w in wls], width, label=n)
+    for ax, title in zip(axes, ("requests/s (higher is better)", "target CPU µs per request (lower is better)"), strict=True):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(wls))], wls)
+        ax.set_title(title)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("bench", help="throughput/latency; --compare runs direct, pdgate and sglang-router side by side")
+    p.add_argument("--compare", action="store_true", required=True, help="(the only mode so far)")
+    p.add_argument("--mini-lb", action="store_true", help="also measure sglang's Python mini_lb")
+    p.add_argument("--duration", type=float, default=10)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--out", default="runs/bench.json")
+    p.set_defaults(func=compare)

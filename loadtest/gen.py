@@ -1,0 +1,122 @@
+"""Load generator, run as its own process: closed loop, N connections, fixed duration.
+
+Modes: ``gateway`` sends one request per op to a gateway; ``direct`` plays the router
+itself and sends both PD legs (with bootstrap fields) straight to a prefill and a decode
+worker, which is what "direct to the engines" means for PD. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import resource
+import sys
+import time
+from typing import Any
+
+import aiohttp
+import orjson
+import uvloop
+
+
+def body(stream: bool, max_tokens: int) -> dict[str, Any]:
+    return {"model": "sim-model", "messages": [{"role": "user", "content": "say hi"}], "max_tokens": max_tokens,
+            "stream": stream}
+
+
+async def one_gateway(s: aiohttp.ClientSession, url: str, data: bytes, stream: bool) -> tuple[bool, float]:
+    t0 = time.perf_counter()
+    ttft = 0.0
+    async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+        if stream:
+            async for _ in r.content.iter_any():
+                if not ttft:
+                    ttft = time.perf_counter() - t0
+        else:
+            await r.read()
+            ttft = time.perf_counter() - t0
+        return r.status == 200, ttft
+
+
+async def one_direct(s: aiohttp.ClientSession, a: argparse.Namespace, b: dict[str, Any], stream: bool) -> tuple[bool, float]:
+    room = random.getrandbits(63)
+    data = orjson.dumps({**b, "bootstrap_host": "127.0.0.1", "bootstrap_port": a.bootstrap_port, "bootstrap_room": room})
+
+    async def prefill() -> bool:
+        async with s.post(a.prefill + "/v1/chat/completions", data=data, headers={"Content-Type": "application/json"}) as r:
+            await r.read()
+            return r.status == 200
+
+    p = asyncio.ensure_future(prefill())
+    ok, ttft = await one_gateway(s, a.decode + "/v1/chat/completions", data, stream)
+    return (await p) and ok, ttft
+
+
+async def run(a: argparse.Namespace) -> dict[str, Any]:
+    b = body(a.stream, a.max_tokens)
+    data = orjson.dumps(b)
+    lat: list[float] = []
+    ttfts: list[float] = []
+    errors = 0
+    end = time.perf_counter() + a.duration
+    warm_end = time.perf_counter() + a.warmup
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+        async def worker() -> None:
+            nonlocal errors
+            while (now := time.perf_counter()) < end:
+                t0 = now
+                try:
+                    if a.mode == "direct":
+                        ok, ttft = await one_direct(s, a, b, a.stream)
+                    else:
+                        ok, ttft = await one_gateway(s, a.url + "/v1/chat/completions", data, a.stream)
+                except (aiohttp.ClientError, TimeoutError):
+                    ok, ttft = False, 0.0
+                if t0 < warm_end:
+                    continue
+                if ok:
+                    lat.append(time.perf_counter() - t0)
+                    ttfts.append(ttft)
+                else:
+                    errors += 1
+
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
+        t_start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(a.concurrency)))
+        wall = time.perf_counter() - t_start - a.warmup
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+    lat.sort()
+    ttfts.sort()
+
+    def pct(xs: list[float], q: float) -> float:
+        return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 3) if xs else 0.0
+
+    cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
+    return {"ok": len(lat), "errors": errors, "seconds": round(wall, 3), "rps": round(len(lat) / wall, 1),
+            "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "ttft_p50_ms": pct(ttfts, 0.5),
+            "ttft_p99_ms": pct(ttfts, 0.99), "generator_cpu_s": round(cpu, 3),
+            "generator_cpu_share": round(cpu / (wall + a.warmup), 3)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m loadtest.gen")
+    p.add_argument("--mode", choices=("gateway", "direct"), default="gateway")
+    p.add_argument("--url", default="")
+    p.add_argument("--prefill", default="")
+    p.add_argument("--bootstrap-port", type=int, default=8998)
+    p.add_argument("--decode", default="")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--duration", type=float, default=10)
+    p.add_argument("--warmup", type=float, default=1)
+    p.add_argument("--stream", action="store_true")
+    p.add_argument("--max-tokens", type=int, default=16)
+    a = p.parse_args(argv)
+    a.duration += a.warmup
+    out = uvloop.run(run(a))
+    sys.stdout.write(orjson.dumps(out).decode() + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Child processes for load tests and test fixtures: start on loopback, wait, measure CPU, stop by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None,
+              data: bytes | None = None) -> None:
+    """Poll ``url`` until it answers 200 (POSTing ``data`` if given)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited ({proc.returncode}) before {url} answered")
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer 200 within {timeout}s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of ``pid`` and all its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _TICK
+        todo.extend(children.get(p, []))
+    return total
+
+
+@dataclass
+class Proc:
+    args: list[str]
+    env: dict[str, str]
+    log: Path
+    popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Proc:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        with open(self.log, "ab") as out:
+            self.popen = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None
+        return self.popen.pid
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> None:
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        try:
+            os.kill(self.popen.pid, signal.SIGCONT)
+            self.popen.send_signal(sig)
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(5)
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")
