@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -18,6 +18,17 @@ from pdgate.gateway import Gateway
 GATEWAY = web.AppKey("gateway", Gateway)
 HEALTH_TASKS = web.AppKey("health_tasks", dict)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Owner(Protocol):
+    """The supervisor of the workers, when this gateway runs them (``pdgate up``)."""
+
+    async def restart_url(self, url: str) -> dict[str, Any]: ...
+
+    def view(self) -> list[dict[str, Any]]: ...
+
+
+OWNER = web.AppKey("owner", Owner)
 
 
 def jsonr(obj: Any, status: int = 200) -> web.Response:
@@ -116,6 +127,27 @@ async def remove_worker(request: web.Request) -> web.Response:
     return jsonr({"removed": wid, "url": w.url})
 
 
+async def restart_worker(request: web.Request) -> web.Response:
+    gw = request.app[GATEWAY]
+    wid = request.match_info["id"]
+    w = gw.pool.by_id.get(wid)
+    if w is None:
+        raise NotFound(f"no worker {wid}")
+    owner = request.app.get(OWNER)
+    if owner is None:
+        raise NotFound("this gateway does not run its workers (start it with `pdgate up` to restart them from here)")
+    child = await owner.restart_url(w.url)
+    await health.check(gw, w)
+    return jsonr({"worker": w.view(gw.now()), "process": child})
+
+
+async def cluster(request: web.Request) -> web.Response:
+    owner = request.app.get(OWNER)
+    if owner is None:
+        raise NotFound("this gateway does not run its workers")
+    return jsonr({"processes": owner.view()})
+
+
 # ---- admin: requests -------------------------------------------------------------------------------
 async def list_requests(request: web.Request) -> web.Response:
     gw = request.app[GATEWAY]
@@ -202,9 +234,11 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     await gw.stop()
 
 
-def build_app(cfg: GatewayConfig, gateway: Gateway | None = None) -> web.Application:
+def build_app(cfg: GatewayConfig, gateway: Gateway | None = None, owner: Owner | None = None) -> web.Application:
     app = web.Application(client_max_size=cfg.max_body_bytes, middlewares=[openai_errors])
     app[GATEWAY] = gateway or Gateway(cfg)
+    if owner is not None:
+        app[OWNER] = owner
     app[HEALTH_TASKS] = {}
     app.cleanup_ctx.append(lifecycle)
     for route in (validation.CHAT, validation.COMPLETIONS, validation.GENERATE):
@@ -216,6 +250,8 @@ def build_app(cfg: GatewayConfig, gateway: Gateway | None = None) -> web.Applica
     app.router.add_get("/v1/workers", list_workers)
     app.router.add_post("/v1/workers", add_worker)
     app.router.add_delete("/v1/workers/{id}", remove_worker)
+    app.router.add_post("/v1/workers/{id}/restart", restart_worker)
+    app.router.add_get("/v1/cluster", cluster)
     app.router.add_get("/v1/requests", list_requests)
     app.router.add_get("/v1/requests/{id}", get_request)
     app.router.add_post("/v1/requests/{id}/abort", abort_request)

@@ -73,7 +73,7 @@ def full(rec: Record, now: float, engine: dict[str, Any] | None = None) -> dict[
         "reason": rec.reason,
         "ended_phase": phase_label(rec.ended_phase) if rec.ended_phase else None,
         "budgets_s": {"total": d.total_s, "ttft": d.ttft_s, "idle": d.idle_s},
-        "phases": [{"t": _rel(t, base), "phase": p} for t, p in rec.history],
+        "phases": [{"t": _rel(t, base), "phase": "prefill+transfer" if p == "prefill" else p} for t, p in rec.history],
         "timings_s": {
             "ttft": _rel(rec.first_token_at, base),
             "e2e": _rel(rec.finished_at, base),

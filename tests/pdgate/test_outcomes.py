@@ -69,7 +69,7 @@ async def test_completed_openai_sdk_stream_and_not(procs: Procs, http: aiohttp.C
         await client.close()
     t = await trace(http, g, raw.headers["x-request-id"])
     assert t["outcome"] == "completed" and t["status"] == 200
-    assert [ph["phase"] for ph in t["phases"]] == ["queued", "dispatched", "prefill", "decode", "completed"]
+    assert [ph["phase"] for ph in t["phases"]] == ["queued", "dispatched", "prefill+transfer", "decode", "completed"]
     a = t["attempts"][0]
     assert a["rid"] == t["id"] + ".1" and {e["event"] for e in a["events"]} >= {"sent", "prefill_done", "decode_done"}
     await assert_clean(http, g.gw, [p, d])

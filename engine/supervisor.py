@@ -1,0 +1,245 @@
+"""Supervisor for co-located engine workers: start, wait ready, restart on exit, stop all.
+
+Reads a cluster file (``config/cluster.sim.toml``). Each worker is a child process whose
+output goes to ``<log_dir>/<name>.log``. A worker that exits is restarted after a backoff.
+Children get SIGTERM if the supervisor dies (PR_SET_PDEATHSIG), and ``stop()`` ends them
+all (SIGTERM, then SIGKILL), so no orphan is left, also on Ctrl-C or SIGTERM.
+
+``python -m engine.supervisor --cluster FILE`` runs it alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+import tomllib
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("engine.supervisor")
+ENGINES = ("sim",)
+
+
+@dataclass(frozen=True)
+class WorkerDef:
+    name: str
+    engine: str
+    role: str
+    port: int
+    bootstrap_port: int | None = None
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        if self.engine == "sim":
+            cmd = [sys.executable, "-m", "engine.sim", "--role", self.role, "--host", "127.0.0.1", "--port", str(self.port)]
+            if self.bootstrap_port is not None:
+                cmd += ["--bootstrap-port", str(self.bootstrap_port)]
+            return cmd + list(self.args)
+        raise ValueError(f"worker {self.name}: engine {self.engine!r} is not supported here (supported: {', '.join(ENGINES)})")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    workers: tuple[WorkerDef, ...]
+    log_dir: Path = Path("logs")
+    ready_timeout_s: float = 30.0
+    restart_backoff_s: tuple[float, ...] = (0.5, 1, 2, 5, 10)
+
+
+def load_cluster(path: str | Path) -> Cluster:
+    with open(path, "rb") as f:
+        data = tomllib.load(f)
+    top = data.get("cluster", {})
+    workers = []
+    names: set[str] = set()
+    for i, w in enumerate(data.get("worker", [])):
+        where = f"{path}: worker[{i}]"
+        unknown = set(w) - {"name", "engine", "role", "port", "bootstrap_port", "args", "env"}
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
+        if w.get("engine", "sim") not in ENGINES:
+            raise ValueError(f"{where}: engine {w.get('engine')!r} not supported here (supported: {', '.join(ENGINES)})")
+        if w.get("role") not in ("prefill", "decode"):
+            raise ValueError(f"{where}: role must be prefill or decode, got {w.get('role')!r}")
+        if w.get("name") in names or not w.get("name"):
+            raise ValueError(f"{where}: name missing or repeated")
+        names.add(w["name"])
+        workers.append(WorkerDef(name=w["name"], engine=w.get("engine", "sim"), role=w["role"], port=int(w["port"]),
+                                 bootstrap_port=w.get("bootstrap_port", 8998 if w["role"] == "prefill" else None),
+                                 args=tuple(str(a) for a in w.get("args", [])),
+                                 env=tuple((str(k), str(v)) for k, v in w.get("env", {}).items())))
+    if not workers:
+        raise ValueError(f"{path}: no [[worker]] entries")
+    return Cluster(tuple(workers), Path(top.get("log_dir", "logs")), float(top.get("ready_timeout_s", 30)),
+                   tuple(float(x) for x in top.get("restart_backoff_s", (0.5, 1, 2, 5, 10))))
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the supervisor process dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    spec: WorkerDef
+    proc: asyncio.subprocess.Process | None = None
+    starts: int = 0
+    restarts: int = 0
+    started_at: float = 0.0
+    wanted: bool = True
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    watcher: asyncio.Task[None] | None = None
+
+    def view(self) -> dict[str, Any]:
+        return {"name": self.spec.name, "role": self.spec.role, "engine": self.spec.engine, "url": self.spec.url,
+                "pid": self.proc.pid if self.proc else None, "restarts": self.restarts,
+                "running": self.proc is not None and self.proc.returncode is None, "ready": self.ready.is_set()}
+
+
+class Supervisor:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.children = {w.name: Child(w) for w in cluster.workers}
+        self._lock = asyncio.Lock()
+
+    def log_path(self, name: str) -> Path:
+        return self.cluster.log_dir / f"{name}.log"
+
+    async def start(self) -> None:
+        self.cluster.log_dir.mkdir(parents=True, exist_ok=True)
+        for c in self.children.values():
+            await self._spawn(c)
+            c.watcher = asyncio.create_task(self._watch(c))
+        await asyncio.gather(*(self.wait_ready(c) for c in self.children.values()))
+
+    async def _spawn(self, c: Child) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(c.spec.env)}
+        with open(self.log_path(c.spec.name), "ab") as out:  # noqa: ASYNC230 - a local log file
+            out.write(f"--- start {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(c.spec.command())}\n".encode())
+            out.flush()
+            c.proc = await asyncio.create_subprocess_exec(*c.spec.command(), stdout=out, stderr=asyncio.subprocess.STDOUT,
+                                                          env=env, preexec_fn=_die_with_parent)
+        c.starts += 1
+        c.started_at = time.monotonic()
+        c.ready.clear()
+        log.info("started %s (pid %d) on %s", c.spec.name, c.proc.pid, c.spec.url)
+
+    async def wait_ready(self, c: Child) -> None:
+        end = time.monotonic() + self.cluster.ready_timeout_s
+        while time.monotonic() < end:
+            if c.proc is None or c.proc.returncode is not None:
+                raise RuntimeError(f"{c.spec.name} exited during start; see {self.log_path(c.spec.name)}")
+            if await asyncio.to_thread(_health, c.spec.url):
+                c.ready.set()
+                return
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"{c.spec.name} not ready after {self.cluster.ready_timeout_s}s; see {self.log_path(c.spec.name)}")
+
+    async def _watch(self, c: Child) -> None:
+        """Restart the child whenever it exits while wanted, with backoff."""
+        fails = 0
+        while True:
+            assert c.proc is not None
+            code = await c.proc.wait()
+            if not c.wanted:
+                return
+            async with self._lock:
+                if c.proc.returncode is None:  # restarted on request meanwhile
+                    continue
+                if time.monotonic() - c.started_at > 30:
+                    fails = 0
+                delay = self.cluster.restart_backoff_s[min(fails, len(self.cluster.restart_backoff_s) - 1)]
+                fails += 1
+                log.warning("%s exited with %s; restarting in %.1fs", c.spec.name, code, delay)
+                await asyncio.sleep(delay)
+                if not c.wanted:
+                    return
+                await self._spawn(c)
+                c.restarts += 1
+            try:
+                await self.wait_ready(c)
+            except (RuntimeError, TimeoutError) as exc:
+                log.error("%s", exc)
+
+    async def restart(self, name: str) -> Child:
+        """Stop one worker and start it again (a new process, so a new engine identity)."""
+        c = self.children[name]
+        async with self._lock:
+            if c.proc is not None and c.proc.returncode is None:
+                await _terminate(c.proc)
+            await self._spawn(c)
+            c.restarts += 1
+        await self.wait_ready(c)
+        return c
+
+    async def stop(self) -> None:
+        for c in self.children.values():
+            c.wanted = False
+        await asyncio.gather(*(_terminate(c.proc) for c in self.children.values() if c.proc is not None))
+        for c in self.children.values():
+            if c.watcher is not None:
+                c.watcher.cancel()
+
+
+def _health(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=1) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
+
+
+async def _terminate(proc: asyncio.subprocess.Process, timeout: float = 5.0) -> None:
+    if proc.returncode is not None:
+        return
+    try:
+        proc.send_signal(signal.SIGCONT)
+        proc.terminate()
+        await asyncio.wait_for(proc.wait(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+async def _main(cluster: Cluster) -> None:
+    sup = Supervisor(cluster)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await sup.start()
+        log.info("all %d workers ready", len(sup.children))
+        await stop.wait()
+    finally:
+        await sup.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m engine.supervisor")
+    p.add_argument("--cluster", default="config/cluster.sim.toml")
+    a = p.parse_args()
+    logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_main(load_cluster(a.cluster)))
+
+
+if __name__ == "__main__":
+    main()

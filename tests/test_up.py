@@ -1,0 +1,129 @@
+"""Supervisor, `pdgate up`, the restart endpoint and the operator CLI against a live stack."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.supervisor import Supervisor, load_cluster
+from tests.procs import ROOT, Procs, free_port, wait_http
+
+
+def cluster_file(tmp: Path, prefills: int = 1, decodes: int = 1) -> Path:
+    lines = [f'[cluster]\nlog_dir = "{tmp / "logs"}"\nrestart_backoff_s = [0.2]\n']
+    for i in range(prefills):
+        lines.append(f'[[worker]]\nname = "prefill-{i}"\nrole = "prefill"\nport = {free_port()}\n'
+                     f'bootstrap_port = {free_port()}\n')
+    for i in range(decodes):
+        lines.append(f'[[worker]]\nname = "decode-{i}"\nrole = "decode"\nport = {free_port()}\n')
+    path = tmp / "cluster.toml"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is gone for our purposes
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return json.loads(r.read())
+
+
+def post(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any, dict[str, str]]:
+    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return r.status, json.loads(r.read()), dict(r.headers)
+
+
+async def test_supervisor_restarts_a_killed_worker(tmp_path: Path) -> None:
+    sup = Supervisor(load_cluster(cluster_file(tmp_path, 0, 1)))
+    try:
+        await sup.start()
+        child = sup.children["decode-0"]
+        assert child.proc is not None
+        first = child.proc.pid
+        os.kill(first, signal.SIGKILL)
+        for _ in range(100):
+            if child.proc.pid != first and child.ready.is_set():
+                break
+            await asyncio.sleep(0.1)
+        assert child.proc.pid != first and child.restarts == 1 and child.ready.is_set()
+        assert "--- start" in (tmp_path / "logs" / "decode-0.log").read_text()
+    finally:
+        await sup.stop()
+    assert not alive(child.proc.pid)
+
+
+def test_cluster_file_errors_are_clear(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[worker]]\nname = "x"\nrole = "router"\nport = 1\n')
+    with pytest.raises(ValueError, match=r"role must be prefill or decode"):
+        load_cluster(bad)
+    bad.write_text('[[worker]]\nname = "x"\nengine = "vllm"\nrole = "decode"\nport = 1\n')
+    with pytest.raises(ValueError, match=r"engine 'vllm' not supported"):
+        load_cluster(bad)
+
+
+def cli(gateway: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "pdgate", *args, "--gateway", gateway], cwd=ROOT, capture_output=True,
+                         text=True, timeout=30, env={**os.environ, "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_pdgate_up_end_to_end(procs: Procs, tmp_path: Path) -> None:
+    port = free_port()
+    up = procs.spawn([sys.executable, "-m", "pdgate", "up", "--cluster", str(cluster_file(tmp_path, 1, 1)),
+                      "--port", str(port)], name="pdgate-up")
+    gw = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    wait_http(gw + "/readiness", timeout=60, proc=up.popen)
+    status, body, headers = post(gw + "/v1/chat/completions", {"model": "sim-model", "messages": [
+        {"role": "user", "content": "say hi"}], "max_tokens": 8})
+    assert status == 200 and body["usage"]["completion_tokens"] == 8 and time.monotonic() - t0 < 60
+    assert "pdgate is up" in up.logs() and "curl" in up.logs()
+    rid = headers["x-request-id"]
+
+    out = cli(gw, "trace", rid)
+    for s in (rid, "completed", "prefill+transfer", "decode_done", "attempt 1"):
+        assert s in out, s
+    out = cli(gw, "workers")
+    assert out.count(" up ") == 2 and "p0" in out and "d0" in out
+    assert "live requests: 0" in cli(gw, "ps")
+    assert json.loads(cli(gw, "ps", "--json"))["count"] == 0
+    assert "workers" in cli(gw, "top", "--iterations", "1", "--interval", "0.1")
+
+    pids = {p["name"]: p["pid"] for p in get(gw + "/v1/cluster")["processes"]}
+    before = {w["id"]: w["identity"] for w in get(gw + "/v1/workers")["workers"]}
+    status, body, _ = post(gw + "/v1/workers/d0/restart")
+    assert status == 200 and body["process"]["pid"] != pids["decode-0"] and body["worker"]["healthy"]
+    assert body["worker"]["identity"] != before["d0"]
+    assert not alive(pids["decode-0"])
+    pids["decode-0"] = body["process"]["pid"]
+    status, _, _ = post(gw + "/v1/chat/completions", {"model": "sim-model", "messages": [
+        {"role": "user", "content": "again"}], "max_tokens": 2})
+    assert status == 200
+
+    assert up.popen is not None
+    up.popen.send_signal(signal.SIGTERM)
+    assert up.popen.wait(15) == 0
+    time.sleep(0.2)
+    assert [n for n, pid in pids.items() if alive(pid)] == [], "no worker may outlive pdgate up"
