@@ -18,8 +18,6 @@ log = logging.getLogger("engine.sim")
 
 
 async def serve(cfg: SimConfig) -> None:
-    if cfg.transfer_backend == "nixl":
-        raise SystemExit("--transfer-backend nixl: not available in this build of engine.sim; use tcp")
     engine = Engine(cfg)
     await engine.start()
     runners = []

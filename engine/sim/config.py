@@ -121,6 +121,7 @@ class SimConfig:
     default_max_tokens: int = 128
     kv_bytes_per_token: int = 256
     kv_budget_tokens: int = 4_000_000
+    kv_buffer_bytes: int = 64 * 1024 * 1024  # nixl: registered DRAM per worker
     bootstrap_timeout: float = 300.0
     waiting_timeout: float = 300.0
     inflight_timeout: float = 60.0
@@ -158,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context", type=int, default=131072)
     p.add_argument("--kv-bytes-per-token", type=int, default=256)
     p.add_argument("--kv-budget-tokens", type=int, default=4_000_000)
+    p.add_argument("--kv-buffer-mb", type=int, default=64, help="nixl: registered DRAM buffer per worker")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -177,6 +179,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_context=args.max_context,
         kv_bytes_per_token=args.kv_bytes_per_token,
         kv_budget_tokens=args.kv_budget_tokens,
+        kv_buffer_bytes=args.kv_buffer_mb * 1024 * 1024,
     )
     for item in args.fault:
         name, sep, value = item.partition("=")

@@ -105,11 +105,20 @@ class KVReceiver:
         self._drop_ack = drop_ack
         self._crash = crash
         self._server: asyncio.Server | None = None
+        self.host = "127.0.0.1"
         self.port = 0
 
     async def start(self, host: str) -> None:
         self._server = await asyncio.start_server(self._handle, host, 0)
+        self.host = host
         self.port = self._server.sockets[0].getsockname()[1]
+
+    async def destination(self, room: int, size: int) -> dict[str, Any]:
+        """Where the prefill sends this room's KV (one listener for all rooms)."""
+        return {"backend": "tcp", "host": self.host, "port": self.port}
+
+    async def release(self, room: int) -> None:
+        return None
 
     async def close(self) -> None:
         if self._server is not None:

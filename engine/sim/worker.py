@@ -108,8 +108,8 @@ class Engine:
         self._by_room: dict[int, SimRequest] = {}  # decode: legs mint their own rid when none is sent
         self._wake = asyncio.Event()
         self._batch_task: asyncio.Task[None] | None = None
-        self.receiver: kv.KVReceiver | None = None
-        self.sender = kv.KVSender()
+        self.receiver: Any = None  # kv.KVReceiver or nixl_kv.NixlReceiver
+        self.sender: Any = kv.KVSender()
         self._routes: set[str] = set()  # bootstrap servers whose /route we already know (SGLang caches it)
         self._http: aiohttp.ClientSession | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -117,13 +117,19 @@ class Engine:
     # ---- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
         self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
-        if self.cfg.role == "decode":
-            self.receiver = kv.KVReceiver(
-                self._deliver_kv,
-                self.unfrozen.wait,
-                lambda: bool(self.cfg.faults.ack_loss),
-                lambda: bool(self.cfg.faults.decode_crash),
-            )
+        hooks = (self._deliver_kv, self.unfrozen.wait, lambda: bool(self.cfg.faults.ack_loss),
+                 lambda: bool(self.cfg.faults.decode_crash))
+        if self.cfg.transfer_backend == "nixl":
+            from engine.sim import nixl_kv  # optional extra, imported only when asked for
+
+            name = f"{self.cfg.role}-{self.identity}"
+            if self.cfg.role == "decode":
+                self.receiver = nixl_kv.NixlReceiver(name, self.cfg.kv_buffer_bytes, *hooks)
+            else:
+                self.sender = nixl_kv.NixlSender(name, self.cfg.kv_buffer_bytes)
+        elif self.cfg.role == "decode":
+            self.receiver = kv.KVReceiver(*hooks)
+        if self.receiver is not None:
             await self.receiver.start(self.cfg.host)
             self._batch_task = asyncio.create_task(self._batch_loop())
 
@@ -323,12 +329,17 @@ class Engine:
                 await self._free(need)
             req.progress.set()
             self._by_room.pop(req.room, None)  # type: ignore[arg-type]
+            await self.receiver.release(req.room)
             self.leave(req)
 
     async def _handshake(self, req: SimRequest) -> None:
         assert self._http is not None and self.receiver is not None
         base = f"http://{req.bootstrap_host}:{req.bootstrap_port}"
-        body = {"room": req.room, "rid": req.rid, "dest": {"host": self.cfg.host, "port": self.receiver.port}}
+        try:
+            dest = await self.receiver.destination(req.room, req.prompt_tokens * self.cfg.kv_bytes_per_token)
+        except kv.TransferFailed as exc:
+            raise EngineError(400, str(exc), "BadRequestError") from None
+        body = {"room": req.room, "rid": req.rid, "dest": dest}
         try:
             if base not in self._routes:
                 async with self._http.get(f"{base}/route") as r:
