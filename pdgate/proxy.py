@@ -98,6 +98,8 @@ class Ctx:
 
     def first_token(self, now: float) -> None:
         rec = self.rec
+        if rec.attempts:
+            rec.attempts[-1].first_token = True
         if rec.first_token_at is None:
             rec.first_token_at = now
             if self.watchdog is not None:  # the idle budget may end before the TTFT one would have
@@ -122,8 +124,9 @@ class Watchdog:
 
     def rearm(self) -> None:
         """Deadlines only move later as tokens arrive, except at the first token (TTFT -> idle)."""
-        self.disarm()
-        self.arm()
+        if self.expired is None:
+            self.disarm()
+            self.arm()
 
     def _fire(self) -> None:
         kind, when = self.rec.deadlines.due(self.rec.first_token_at, self.rec.last_token_at)
@@ -300,7 +303,7 @@ async def run_attempt(ctx: Ctx, att: Attempt, bind: Bind, pw: Worker, dw: Worker
                 raise WorkerLost(f"attempt {att.n} lost its worker: {reason}", role="", worker=reason.split(" ", 1)[0])
             if p_task in done:
                 waiting.discard(p_task)
-                if p_task.exception() is not None and rec.first_token_at is None:
+                if p_task.exception() is not None and not att.first_token:
                     raise p_task.exception()  # type: ignore[misc]
         body = d_task.result()
         if ctx.merge_logprobs:

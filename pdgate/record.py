@@ -58,6 +58,7 @@ class Attempt:
     # (time, name, info) — kept as tuples: cheap on the hot path, shaped for traces on demand
     events: list[tuple[float, str, Any]] = field(default_factory=list)
     error: str | None = None
+    first_token: bool = False  # this attempt produced a token (its decode has the KV)
 
     def event(self, t: float, name: str, info: Any = None) -> None:
         self.events.append((t, name, info))

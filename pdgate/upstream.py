@@ -25,6 +25,7 @@ class Upstream:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s),
             json_serialize=lambda o: orjson.dumps(o).decode(),
             auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),  # engines set no cookies; skip the per-response jar work
         )
         self._abort_timeout = aiohttp.ClientTimeout(total=abort_timeout_s)
 
