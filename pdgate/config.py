@@ -56,6 +56,16 @@ class BreakerConfig:
 
 
 @dataclass(frozen=True)
+class ReconcileConfig:
+    enabled: bool = True
+    interval_s: float = 5.0
+    grace_s: float = 5.0  # an engine-held rid must be at least this old before it can be an orphan
+    lease_s: float = 30.0  # a rid of another gateway instance is an orphan once that instance is unseen this long
+    drift_checks: int = 3  # count mode: consecutive excess readings before drift is acted on
+    recent_rids: int = 2000  # ended rids remembered per gateway, for count mode's re-aborts
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     url: str
     role: str
@@ -90,6 +100,8 @@ class GatewayConfig:
     models: dict[str, Budgets] = field(default_factory=dict)
     health: HealthConfig = field(default_factory=HealthConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
+    reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
+    peers: tuple[str, ...] = ()  # URLs of other gateways in front of the same workers (their leases are read)
     prefill: tuple[WorkerSpec, ...] = ()
     decode: tuple[WorkerSpec, ...] = ()
 
@@ -130,6 +142,9 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
                 _positive(f"models.{model}.{f.name}", v)
     for f in dataclasses.fields(cfg.health):
         _positive(f"health.{f.name}", getattr(cfg.health, f.name), integer=f.name == "failures")
+    for f in dataclasses.fields(cfg.reconcile):
+        if f.name != "enabled":
+            _positive(f"reconcile.{f.name}", getattr(cfg.reconcile, f.name), integer=f.name in ("drift_checks", "recent_rids"))
     _positive("breaker.failures", cfg.breaker.failures, integer=True)
     _positive("breaker.cooldown_s", cfg.breaker.cooldown_s)
     for role in ("prefill", "decode"):
@@ -164,6 +179,7 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
         "deadlines": _build(DeadlineConfig, data.pop("deadlines", {}), "deadlines."),
         "health": _build(HealthConfig, data.pop("health", {}), "health."),
         "breaker": _build(BreakerConfig, data.pop("breaker", {}), "breaker."),
+        "reconcile": _build(ReconcileConfig, data.pop("reconcile", {}), "reconcile."),
         "models": {m: _build(Budgets, v, f"models.{m}.") for m, v in data.pop("models", {}).items()},
     }
     for role in ("prefill", "decode"):
@@ -172,6 +188,8 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
     if data:
         key = next(iter(data))
         raise ConfigError(key, data[key], "unknown section")
+    if "peers" in top:
+        top["peers"] = tuple(top["peers"])
     if "abort_repeat_s" in top:
         top["abort_repeat_s"] = tuple(top["abort_repeat_s"]) if isinstance(top["abort_repeat_s"], list) else top["abort_repeat_s"]
     return validate(_build(GatewayConfig, {**top, **sections}, "gateway."))

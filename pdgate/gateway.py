@@ -7,6 +7,7 @@ import itertools
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Coroutine
 from typing import Any
 
@@ -37,6 +38,8 @@ class Gateway:
         self.background: set[asyncio.Task[Any]] = set()
         self.upstream: Upstream | None = None
         self.kicks: dict[str, asyncio.Event] = {}  # worker id -> "check me now"
+        # recently ended (worker id, rid, time), bounded: count-mode reconciliation re-aborts these
+        self.recent: deque[tuple[str, str, float]] = deque(maxlen=cfg.reconcile.recent_rids)
         self.clock = time.monotonic
         for spec in (*cfg.prefill, *cfg.decode):
             self.pool.add(spec)

@@ -39,6 +39,12 @@ class Metrics:
         self.restarts = Counter("pdgate_worker_restarts", "Worker restarts detected", ["worker"], registry=r)
         self.lost = Counter("pdgate_worker_lost_requests", "Live requests failed or retried at once because their worker was lost",
                             ["worker"], registry=r)
+        self.orphans = Gauge("pdgate_engine_orphans", "Orphaned requests found on the worker in the last reconcile pass",
+                             ["worker"], registry=r)
+        self.drift = Gauge("pdgate_worker_drift", "Engine-held requests above our live count (count mode)", ["worker"],
+                           registry=r)
+        self.reconcile_aborts = Counter("pdgate_reconcile_aborts", "Aborts sent by reconciliation", ["worker", "mode"],
+                                        registry=r)
         self._live = {p: self.live.labels(p.value) for p in LIVE}
         self._phase = {p: self.phase_seconds.labels(p.value) for p in LIVE}
         for p in LIVE:

@@ -226,8 +226,13 @@ def finalize(ctx: Ctx, outcome: Phase, reason: str | None, status: int) -> None:
     if not rec.live:
         return
     rec.status = status
-    ctx.gw.move(rec, outcome, reason)
-    ctx.gw.traces.finish(rec)
+    gw = ctx.gw
+    gw.move(rec, outcome, reason)
+    gw.traces.finish(rec)
+    now = gw.now()
+    for a in rec.attempts:
+        gw.recent.append((a.prefill, a.rid, now))
+        gw.recent.append((a.decode, a.rid, now))
 
 
 async def respond_error(ctx: Ctx, exc: GatewayError) -> web.StreamResponse:

@@ -10,13 +10,14 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
-from pdgate import health, proxy, traces, validation
+from pdgate import health, proxy, reconcile, traces, validation
 from pdgate.config import ConfigError, GatewayConfig, WorkerSpec, parse_prefill_flag, validate_worker
 from pdgate.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, error_json
 from pdgate.gateway import Gateway
 
 GATEWAY = web.AppKey("gateway", Gateway)
 HEALTH_TASKS = web.AppKey("health_tasks", dict)
+RECONCILER = web.AppKey("reconciler", reconcile.Reconciler)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -85,6 +86,10 @@ async def readiness(request: web.Request) -> web.Response:
     body = {"ready": ready, "prefill_available": len(gw.pool.available("prefill", now)),
             "decode_available": len(gw.pool.available("decode", now))}
     return jsonr(body, 200 if ready else 503)
+
+
+async def lease(request: web.Request) -> web.Response:
+    return jsonr(reconcile.lease(request.app[GATEWAY]))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -228,7 +233,10 @@ async def lifecycle(app: web.Application) -> AsyncIterator[None]:
     await asyncio.gather(*(health.check(gw, w) for w in gw.pool.by_id.values()))
     for wid in list(gw.pool.by_id):
         start_health(app, wid)
+    rec_task = asyncio.get_running_loop().create_task(app[RECONCILER].run()) if gw.cfg.reconcile.enabled else None
     yield
+    if rec_task is not None:
+        rec_task.cancel()
     for t in app[HEALTH_TASKS].values():
         t.cancel()
     await gw.stop()
@@ -240,6 +248,7 @@ def build_app(cfg: GatewayConfig, gateway: Gateway | None = None, owner: Owner |
     if owner is not None:
         app[OWNER] = owner
     app[HEALTH_TASKS] = {}
+    app[RECONCILER] = reconcile.Reconciler(app[GATEWAY])
     app.cleanup_ctx.append(lifecycle)
     for route in (validation.CHAT, validation.COMPLETIONS, validation.GENERATE):
         app.router.add_post(route, generate_route(route))
@@ -247,6 +256,7 @@ def build_app(cfg: GatewayConfig, gateway: Gateway | None = None, owner: Owner |
     app.router.add_get("/health", liveness)
     app.router.add_get("/readiness", readiness)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/v1/lease", lease)
     app.router.add_get("/v1/workers", list_workers)
     app.router.add_post("/v1/workers", add_worker)
     app.router.add_delete("/v1/workers/{id}", remove_worker)

@@ -75,6 +75,8 @@ class Worker:
     degraded: bool = False
     engine: dict[str, Any] = field(default_factory=dict)  # last engine-reported queue counts
     has_extension: bool | None = None
+    orphans: int = 0  # engine-held rids found orphaned in the last reconcile pass (exact mode)
+    drift: int = 0  # engine count above our live count (count mode)
 
     @property
     def role(self) -> str:
@@ -125,6 +127,7 @@ class Worker:
             "breaker": self.breaker.state.value, "identity": self.identity, "restarts": self.restarts,
             "load": self.load, "stalled_s": round(self.stalled_for(now), 3), "fixes": self.fixes,
             "models": list(self.models), "last_error": self.last_error, "engine": self.engine,
+            "orphans": self.orphans, "drift": self.drift,
         }
 
 

@@ -1,0 +1,100 @@
+"""Reconciliation with engine/sim fixes switched off: pins that nothing else clears."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from pdgate.config import ReconcileConfig
+from tests.engine.simclient import engine_requests, gauge, set_faults, wait_gauge
+from tests.pdgate.harness import make_config, start_gateway
+from tests.pdgate.test_outcomes import CHAT, gateway, post
+from tests.procs import Procs, free_port, wait_http
+
+INFLIGHT = "num_prefill_inflight_queue_reqs"
+FAST = ReconcileConfig(interval_s=0.5, grace_s=1.0, lease_s=2.0)
+
+
+async def pin_on_prefill(http: aiohttp.ClientSession, url: str, n: int) -> None:
+    """Requests that complete for the client but leave the prefill pinned (decode drops the KV ack)."""
+    results = await asyncio.gather(*(post_raw(http, url) for _ in range(n)))
+    assert results == [200] * n
+
+
+async def post_raw(http: aiohttp.ClientSession, url: str) -> int:
+    async with http.post(url + "/v1/chat/completions", json=CHAT) as r:
+        await r.read()
+        return r.status
+
+
+async def test_exact_mode_aborts_orphans_and_without_it_they_stay(procs: Procs, http: aiohttp.ClientSession,
+                                                                  gateways: list[Any]) -> None:
+    p, d = procs.pair("--fixes", "none")
+    await set_faults(http, d, ack_loss=True)
+    on = await gateway(gateways, [p], [d], abort_legs=False, reconcile=FAST)  # the gateway's own aborts are lost
+    await pin_on_prefill(http, on.url, 3)
+    assert await gauge(http, p, INFLIGHT) == 3
+    took = await wait_gauge(http, p, INFLIGHT, 0, within=FAST.interval_s + FAST.grace_s + 2)
+    assert took <= FAST.interval_s + FAST.grace_s + 2
+    async with http.get(on.url + "/metrics") as r:
+        assert 'pdgate_reconcile_aborts_total{mode="exact",worker="p0"} 3.0' in await r.text()
+    rec = list(on.gw.traces.finished.values())[-1]
+    assert any(e[1] == "reconcile_abort" for e in rec.attempts[0].events)
+
+    await on.close()  # (it would clean the next gateway's pins too, once that one's lease lapsed)
+    gateways.remove(on)
+    off = await gateway(gateways, [p], [d], abort_legs=False, reconcile=ReconcileConfig(enabled=False))
+    await pin_on_prefill(http, off.url, 2)
+    await asyncio.sleep(FAST.interval_s + FAST.grace_s + 2)
+    assert await gauge(http, p, INFLIGHT) == 2, "without reconciliation the pins stay"
+
+
+async def test_gateway_killed_mid_load_is_cleaned_by_its_successor(procs: Procs, http: aiohttp.ClientSession,
+                                                                  gateways: list[Any], tmp_path: Path) -> None:
+    env = {"SGLANG_REQUEST_STATE_WAIT_TIMEOUT": "0.3"}  # the engines notice the dead client fast
+    p = procs.sim("prefill", "--fixes", "none", "--fault", "abort_race=1", env=env)
+    d = procs.sim("decode", "--fixes", "none", "--fault", "ack_loss=1", env=env)
+    port = free_port()
+    cfg = tmp_path / "a.toml"
+    cfg.write_text(f'[gateway]\nport = {port}\n[reconcile]\nenabled = false\n'
+                   f'[[prefill]]\nurl = "{p.url}"\nbootstrap_port = {p.bootstrap_port}\n[[decode]]\nurl = "{d.url}"\n')
+    a = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg)], name="gateway-a")
+    wait_http(f"http://127.0.0.1:{port}/readiness", proc=a.popen)
+    await pin_on_prefill(http, f"http://127.0.0.1:{port}", 3)
+    a.stop(signal.SIGKILL)  # before its own prefill-tail aborts (1 s): its records die with it
+    await asyncio.sleep(1.5)  # the engines' disconnect aborts came and were lost to the race
+    assert await gauge(http, p, INFLIGHT) == 3
+    b = await gateway(gateways, [p], [d], reconcile=FAST)
+    took = await wait_gauge(http, p, INFLIGHT, 0, within=FAST.lease_s + FAST.interval_s + FAST.grace_s + 2)
+    assert took >= FAST.lease_s - 0.5, "another instance's rids must wait for its lease to lapse"
+    async with http.get(b.url + "/v1/workers") as r:
+        assert r.status == 200
+
+
+async def test_two_gateways_never_abort_each_others_live_requests(procs: Procs, http: aiohttp.ClientSession,
+                                                                  gateways: list[Any]) -> None:
+    p, d = procs.sim("prefill"), procs.sim("decode", "--speed", "15")  # requests last ~2-3 s > grace and lease
+    rc = ReconcileConfig(interval_s=0.3, grace_s=0.5, lease_s=1.0)
+    pa, pb = free_port(), free_port()
+    a = await start_gateway(dataclasses.replace(make_config([p], [d], reconcile=rc), port=pa,
+                                                peers=(f"http://127.0.0.1:{pb}",)))
+    gateways.append(a)
+    b = await start_gateway(dataclasses.replace(make_config([p], [d], reconcile=rc), port=pb,
+                                                peers=(f"http://127.0.0.1:{pa}",)))
+    gateways.append(b)
+    body = {**CHAT, "max_tokens": 30}
+    results = await asyncio.gather(*(post(http, g, body) for g in (a, b) for _ in range(4)))
+    assert [s for s, _, _ in results] == [200] * 8
+    for g in (a, b):
+        for rec in g.gw.traces.finished.values():
+            assert len(rec.attempts) == 1
+            assert not any(e[1] == "reconcile_abort" for e in rec.attempts[0].events), rec.id
+    async with http.get(a.url + "/metrics") as r:
+        assert "pdgate_reconcile_aborts_total{" not in await r.text()
+    assert await engine_requests(http, d) == []
