@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest import bench
+from loadtest import bench, storm
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m loadtest")
     sub = parser.add_subparsers(dest="cmd", required=True)
     bench.add_parser(sub)
+    storm.add_parser(sub)
     args = parser.parse_args()
     args.func(args)
 

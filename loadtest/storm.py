@@ -1,0 +1,239 @@
+"""``python -m loadtest storm``: the seed's verification protocol, with a verdict.
+
+1. baseline: each prefill's ``sglang:num_prefill_inflight_queue_reqs`` and an e2e probe
+   ("say hi", max_tokens 8: status and time);
+2. storm: ``iterations`` x ``instances`` concurrent requests, each cancelled by the client
+   at a random point (before the first token, mid-stream) or let finish; optionally a decode
+   worker restarted through the gateway mid-storm;
+3. monitor: every prefill's gauge sampled every second for ``window`` seconds;
+4. verify: pins cleared by watchdog + grace after the storm, every client request reached a
+   terminal state, force-fail events (the engines' watchdog counter) reported;
+5. final probe.
+Prints a verdict table, writes JSON and a PNG timeline; exits 0 only if every check held.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import uvloop
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+GAUGE = "num_prefill_inflight_queue_reqs"
+FORCE_FAILS = "num_prefill_inflight_timeout_reqs_total"
+PROBE = {"model": "sim-model", "messages": [{"role": "user", "content": "say hi"}], "max_tokens": 8}
+
+
+def metric(text: str, name: str) -> float | None:
+    """Sum of a metric over its label sets; both 'sglang:' and 'sglang_' prefixes are read."""
+    vals = [float(m.group(1)) for m in re.finditer(rf"^sglang[:_]{name}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.M)]
+    return sum(vals) if vals else None
+
+
+async def scrape(http: aiohttp.ClientSession, url: str) -> str:
+    try:
+        async with http.get(url, timeout=aiohttp.ClientTimeout(total=3)) as r:
+            return await r.text()
+    except (aiohttp.ClientError, TimeoutError, OSError):
+        return ""
+
+
+async def probe(http: aiohttp.ClientSession, gateway: str, model: str) -> dict[str, Any]:
+    t0 = time.monotonic()
+    try:
+        async with http.post(gateway + "/v1/chat/completions", json={**PROBE, "model": model},
+                             timeout=aiohttp.ClientTimeout(total=30)) as r:
+            await r.read()
+            return {"status": r.status, "seconds": round(time.monotonic() - t0, 3)}
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        return {"status": None, "error": str(exc), "seconds": round(time.monotonic() - t0, 3)}
+
+
+async def one(http: aiohttp.ClientSession, gateway: str, model: str, rng: random.Random, timeout: float) -> dict[str, Any]:
+    """One storm request: cancelled before its first token, mid-stream, or let finish."""
+    plan = rng.choice(("before_first_token", "mid_stream", "mid_stream", "finish"))
+    body = {**PROBE, "model": model, "max_tokens": rng.randint(8, 64), "stream": plan != "before_first_token"}
+    t0 = time.monotonic()
+    try:
+        async with asyncio.timeout(timeout):
+            if plan == "before_first_token":
+                task = asyncio.ensure_future(http.post(gateway + "/v1/chat/completions", json=body))
+                await asyncio.sleep(rng.uniform(0, 0.05))
+                if not task.done():
+                    task.cancel()
+                    return {"plan": plan, "outcome": "cancelled", "seconds": round(time.monotonic() - t0, 3)}
+                resp = task.result()
+                resp.close()
+                return {"plan": plan, "outcome": f"http_{resp.status}", "seconds": round(time.monotonic() - t0, 3)}
+            async with http.post(gateway + "/v1/chat/completions", json=body) as r:
+                if plan == "mid_stream" and r.status == 200:
+                    for _ in range(rng.randint(1, 4)):
+                        await r.content.readuntil(b"\n\n")
+                    r.close()
+                    return {"plan": plan, "outcome": "cancelled", "seconds": round(time.monotonic() - t0, 3)}
+                await r.read()
+                return {"plan": plan, "outcome": f"http_{r.status}", "seconds": round(time.monotonic() - t0, 3)}
+    except TimeoutError:
+        return {"plan": plan, "outcome": "hung", "seconds": round(time.monotonic() - t0, 3)}
+    except (aiohttp.ClientError, asyncio.IncompleteReadError, OSError) as exc:
+        return {"plan": plan, "outcome": f"error:{exc.__class__.__name__}", "seconds": round(time.monotonic() - t0, 3)}
+
+
+async def find_prefills(http: aiohttp.ClientSession, gateway: str) -> tuple[list[str], list[str]]:
+    async with http.get(gateway + "/v1/workers") as r:
+        workers = (await r.json())["workers"]
+    return ([w["url"] + "/metrics" for w in workers if w["role"] == "prefill"],
+            [w["id"] for w in workers if w["role"] == "decode"])
+
+
+async def run(a: argparse.Namespace) -> dict[str, Any]:
+    console = Console(stderr=True)
+    rng = random.Random(a.seed)
+    async with aiohttp.ClientSession() as http:
+        decodes: list[str] = []
+        metrics_urls = list(a.prefill_metrics)
+        if not metrics_urls or a.restart_decode:
+            found, decodes = await find_prefills(http, a.gateway)
+            metrics_urls = metrics_urls or found
+        t_start = time.monotonic()
+
+        def now() -> float:
+            return round(time.monotonic() - t_start, 3)
+
+        texts = [await scrape(http, u) for u in metrics_urls]
+        baseline = {u: metric(t, GAUGE) for u, t in zip(metrics_urls, texts, strict=True)}
+        force0 = sum(metric(t, FORCE_FAILS) or 0 for t in texts)
+        probe0 = await probe(http, a.gateway, a.model)
+        samples: list[dict[str, Any]] = []
+        marks: list[dict[str, Any]] = []
+        stop = asyncio.Event()
+
+        async def sampler() -> None:
+            while not stop.is_set():
+                vals = await asyncio.gather(*(scrape(http, u) for u in metrics_urls))
+                samples.append({"t": now(), **{u: metric(t, GAUGE) for u, t in zip(metrics_urls, vals, strict=True)}})
+                try:
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                except TimeoutError:
+                    pass
+
+        sampling = asyncio.create_task(sampler())
+        marks.append({"t": now(), "event": "storm_start"})
+        results: list[dict[str, Any]] = []
+        with Progress(console=console) as bar:
+            job = bar.add_task("storm", total=a.iterations)
+            for i in range(a.iterations):
+                if a.restart_decode and decodes and i == a.iterations // 2:
+                    marks.append({"t": now(), "event": f"restart {decodes[0]}"})
+                    async with http.post(f"{a.gateway}/v1/workers/{decodes[0]}/restart") as r:
+                        marks[-1]["status"] = r.status
+                results += await asyncio.gather(*(one(http, a.gateway, a.model, rng, a.request_timeout)
+                                                  for _ in range(a.instances)))
+                bar.advance(job)
+        storm_end = now()
+        marks.append({"t": storm_end, "event": "storm_end"})
+        deadline = storm_end + a.watchdog + a.grace
+        with Progress(console=console) as bar:
+            job = bar.add_task("monitor", total=a.window)
+            while now() < storm_end + a.window:
+                await asyncio.sleep(1)
+                bar.update(job, completed=min(a.window, now() - storm_end))
+        stop.set()
+        await sampling
+        texts = [await scrape(http, u) for u in metrics_urls]
+        force = sum(metric(t, FORCE_FAILS) or 0 for t in texts) - force0
+        probe1 = await probe(http, a.gateway, a.model)
+
+    after = [s for s in samples if s["t"] >= deadline]
+    peak = max((max((v or 0) for k, v in s.items() if k != "t") for s in samples), default=0)
+    pins_cleared = bool(after) and all((s[u] or 0) <= (baseline[u] or 0) for s in after for u in metrics_urls)
+    hung = [r for r in results if r["outcome"] == "hung"]
+    checks = [
+        ("baseline probe", probe0.get("status") == 200, f"status {probe0.get('status')} in {probe0['seconds']}s"),
+        ("pins cleared by watchdog + grace", pins_cleared,
+         f"peak {peak:g} during the storm; after t={deadline:g}s: "
+         + (", ".join(f"{(s[u] or 0):g}" for s in after[-1:] for u in metrics_urls) if after else "no samples (window too short)")),
+        ("every client request terminal", not hung, f"{len(results)} requests, {len(hung)} hung"),
+        ("final probe", probe1.get("status") == 200, f"status {probe1.get('status')} in {probe1['seconds']}s"),
+    ]
+    out = {"gateway": a.gateway, "prefill_metrics": metrics_urls, "baseline": baseline, "probe_before": probe0,
+           "probe_after": probe1, "force_fails": force, "samples": samples, "marks": marks, "storm_end": storm_end,
+           "watchdog_line": deadline, "requests": results,
+           "outcomes": {o: sum(1 for r in results if r["outcome"] == o) for o in sorted({r["outcome"] for r in results})},
+           "checks": [{"check": c, "ok": ok, "detail": d} for c, ok, d in checks],
+           "verdict": "PASS" if all(ok for _, ok, _ in checks) else "FAIL"}
+    return out
+
+
+def report(console: Console, out: dict[str, Any]) -> None:
+    t = Table(title=f"storm verdict: {out['verdict']}")
+    t.add_column("check")
+    t.add_column("result")
+    t.add_column("detail")
+    for c in out["checks"]:
+        t.add_row(c["check"], "[green]ok[/]" if c["ok"] else "[red]FAILED[/]", c["detail"])
+    t.add_row("force-fail events (engine watchdog)", "info", f"{out['force_fails']:g}")
+    t.add_row("client outcomes", "info", ", ".join(f"{k}={v}" for k, v in out["outcomes"].items()))
+    console.print(t)
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib not installed: no {path}", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for u in out["prefill_metrics"]:
+        ax.step([s["t"] for s in out["samples"]], [s[u] or 0 for s in out["samples"]], where="post", label=u)
+    for m in out["marks"]:
+        ax.axvline(m["t"], color="grey", linestyle=":", linewidth=1)
+        ax.annotate(m["event"], (m["t"], 0), rotation=90, fontsize=7, va="bottom")
+    ax.axvline(out["watchdog_line"], color="red", linestyle="--", label="watchdog + grace")
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("prefill inflight queue")
+    ax.set_title(f"storm: {out['verdict']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("storm", help="the seed's verification protocol: baseline, abort storm, monitor, verdict")
+    p.add_argument("--gateway", required=True)
+    p.add_argument("--prefill-metrics", action="append", default=[], metavar="URL",
+                   help="a prefill's /metrics URL (repeatable; default: found through the gateway's /v1/workers)")
+    p.add_argument("--iterations", type=int, default=30)
+    p.add_argument("--instances", type=int, default=3)
+    p.add_argument("--watchdog", type=float, default=60, help="the engines' inflight watchdog, seconds")
+    p.add_argument("--grace", type=float, default=5)
+    p.add_argument("--window", type=float, default=90, help="seconds to monitor after the storm")
+    p.add_argument("--restart-decode", action="store_true", help="restart a decode worker through the gateway mid-storm")
+    p.add_argument("--request-timeout", type=float, default=120, help="a client request still open after this is hung")
+    p.add_argument("--model", default="sim-model")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--out", default="runs/storm.json")
+    p.set_defaults(func=main)
+
+
+def main(a: argparse.Namespace) -> None:
+    out = uvloop.run(run(a))
+    report(Console(), out)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2))
+    plot(out, Path(a.out).with_suffix(".png"))
+    raise SystemExit(0 if out["verdict"] == "PASS" else 1)

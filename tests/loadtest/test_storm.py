@@ -1,0 +1,46 @@
+"""The storm's verdict is honest: FAIL where pins stay, PASS where the fixes clear them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdgate.config import ReconcileConfig
+from tests.pdgate.harness import make_config, start_gateway
+from tests.procs import ROOT, Procs
+
+ENV = {"SGLANG_REQUEST_STATE_WAIT_TIMEOUT": "0.3", "SGLANG_DSV4_PREFILL_INFLIGHT_TIMEOUT": "2"}
+
+
+@pytest.mark.parametrize("fixes", ["none", "A,B,C"])
+async def test_storm_verdict(procs: Procs, gateways: list[Any], tmp_path: Path, fixes: str) -> None:
+    # every prefill waits for an acknowledgement the decode drops, and the first abort of each is lost:
+    # only the engine's fixes (or the gateway's aborts and reconciler, switched off here) end those pins
+    p = procs.sim("prefill", "--fixes", fixes, "--fault", "abort_race=1", env=ENV)
+    d = procs.sim("decode", "--fixes", fixes, "--fault", "ack_loss=1", "--speed", "5", env=ENV)
+    cfg = dataclasses.replace(make_config([p], [d]), abort_legs=False, reconcile=ReconcileConfig(enabled=False))
+    g = await start_gateway(cfg)
+    gateways.append(g)
+    out = tmp_path / "storm.json"
+    import asyncio
+
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "loadtest", "storm", "--gateway", g.url, "--iterations", "4", "--instances", "3",
+        "--watchdog", "2", "--grace", "2", "--window", "6", "--request-timeout", "20", "--out", str(out), cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    stdout, _ = await asyncio.wait_for(proc.communicate(), 60)
+    report = json.loads(out.read_text())
+    checks = {c["check"]: c["ok"] for c in report["checks"]}
+    assert checks["baseline probe"] and checks["every client request terminal"], stdout.decode()[-3000:]
+    assert out.with_suffix(".png").exists()
+    if fixes == "none":
+        assert proc.returncode == 1 and report["verdict"] == "FAIL" and not checks["pins cleared by watchdog + grace"]
+        assert report["force_fails"] == 0
+    else:
+        assert proc.returncode == 0 and report["verdict"] == "PASS", stdout.decode()[-3000:]
+        assert report["force_fails"] >= 1
