@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest import bench, storm
+from loadtest import agents, bench, storm
 
 
 def main() -> None:
@@ -12,6 +12,7 @@ def main() -> None:
     sub = parser.add_subparsers(dest="cmd", required=True)
     bench.add_parser(sub)
     storm.add_parser(sub)
+    agents.add_parser(sub)
     args = parser.parse_args()
     args.func(args)
 

@@ -1,0 +1,41 @@
+"""agents catches the unsafe kernel profile's long-context stall and passes on the safe one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.pdgate.harness import make_config, start_gateway
+from tests.procs import ROOT, Procs
+
+
+@pytest.mark.parametrize("profile", ["unsafe", "safe"])
+async def test_agents_catch_the_long_context_stall(procs: Procs, gateways: list[Any], tmp_path: Path, profile: str) -> None:
+    env = {"SIM_STALL_THRESHOLD_TOKENS": "400"}
+    if profile == "unsafe":
+        env["SGLANG_SM120_MMA_TARGET_CTAS"] = "512"
+    p, d = procs.sim("prefill"), procs.sim("decode", env=env)
+    g = await start_gateway(make_config([p], [d]))
+    gateways.append(g)
+    out = tmp_path / "agents.json"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "loadtest", "agents", "--gateway", g.url, "--sessions", "4", "--rounds", "5",
+        "--growth", "120", "--deadline", "2", "--max-tokens", "8", "--out", str(out), cwd=ROOT,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    stdout, _ = await asyncio.wait_for(proc.communicate(), 90)
+    report = json.loads(out.read_text())
+    assert out.with_suffix(".png").exists()
+    rounds_ok = [r["ok"] for r in report["per_round"]]
+    if profile == "unsafe":
+        assert proc.returncode == 1 and report["verdict"] == "FAIL"
+        assert len(report["failures"]) == 4, stdout.decode()[-2000:]
+        first_bad = min(f["round"] for f in report["failures"])
+        assert first_bad >= 2 and rounds_ok[0] == 4, "short contexts still work: the stall comes with growth"
+        assert all("deadline" in f["why"] for f in report["failures"]), report["failures"]
+    else:
+        assert proc.returncode == 0 and report["verdict"] == "PASS" and rounds_ok == [4] * 5, stdout.decode()[-2000:]
