@@ -23,6 +23,7 @@ import aiohttp
 import orjson
 import uvloop
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 WORDS = "alpha beta gamma delta file line error value result test build log path query row column".split()
@@ -87,8 +88,18 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     rounds: list[list[dict[str, Any]]] = [[] for _ in range(a.rounds)]
     failures: list[dict[str, Any]] = []
     t0 = time.monotonic()
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
-        await asyncio.gather(*(session(http, a, s, rounds, failures) for s in range(a.sessions)))
+    with Progress(console=Console(stderr=True)) as bar:
+        job = bar.add_task("agent rounds", total=a.sessions * a.rounds)
+
+        async def tick() -> None:
+            while True:
+                bar.update(job, completed=sum(len(r) for r in rounds) + sum(a.rounds - f["round"] for f in failures))
+                await asyncio.sleep(0.5)
+
+        ticker = asyncio.create_task(tick())
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+            await asyncio.gather(*(session(http, a, s, rounds, failures) for s in range(a.sessions)))
+        ticker.cancel()
     per_round = []
     for i, rs in enumerate(rounds):
         ok = [r for r in rs if r["ok"]]

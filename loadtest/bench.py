@@ -82,8 +82,9 @@ def start_targets(stack: Stack, mini_lb: bool) -> tuple[dict[str, Any], dict[str
     return workers, targets
 
 
-def measure(workers: dict[str, Any], url: str, proc: Proc | None, conc: int, stream: bool, duration: float) -> dict[str, Any]:
-    args = ["--concurrency", str(conc), "--duration", str(duration)] + (["--stream"] if stream else [])
+def measure(workers: dict[str, Any], url: str, proc: Proc | None, conc: int, stream: bool, duration: float,
+            rate: float = 0) -> dict[str, Any]:
+    args = ["--concurrency", str(conc), "--duration", str(duration), "--rate", str(rate)] + (["--stream"] if stream else [])
     if url:
         args += ["--mode", "gateway", "--url", url]
     else:
@@ -167,6 +168,7 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
         return
     wls = list(summary)
     names = list(next(iter(summary.values())))
+    names = [n for n in names if all(n in summary[w] for w in wls)]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(names)
     for i, n in enumerate(names):
@@ -181,12 +183,53 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def targets_run(a: argparse.Namespace) -> dict[str, Any]:
+    """Measure the given gateway URLs as they are (no processes started)."""
+    console = Console()
+    results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    wl = f"{'s' if a.stream else 'ns'}{a.rate:g}rps" if a.rate else f"{'s' if a.stream else 'ns'}{a.concurrency}"
+    with Progress(console=console) as bar:
+        job = bar.add_task("bench", total=len(a.target) * a.repeats)
+        for rep in range(a.repeats):
+            for url in a.target:
+                bar.update(job, description=f"{wl} {url} #{rep + 1}")
+                res = measure({}, url.rstrip("/"), None, a.concurrency, a.stream, a.duration, a.rate)
+                results.setdefault(wl, {}).setdefault(url, []).append(res)
+                bar.advance(job)
+    summary = summarize(results)
+    out = {"command": " ".join(sys.argv), "results": summary, "raw": results}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(out, indent=2))
+    t = Table(title=f"bench {wl}")
+    for col in ("target", "req/s", "p50 ms", "p99 ms", "ttft p50", "ttft p99", "tpot p50", "tpot p99", "errors", "gen CPU"):
+        t.add_column(col, justify="right")
+    for url, m in summary[wl].items():
+        t.add_row(url, f"{m['rps']:.0f}", str(m["p50_ms"]), str(m["p99_ms"]), str(m["ttft_p50_ms"]), str(m["ttft_p99_ms"]),
+                  str(m["tpot_p50_ms"]), str(m["tpot_p99_ms"]), str(int(m["errors"])), f"{m['generator_cpu_share']:.2f}")
+    console.print(t)
+    plot(summary, Path(a.out).with_suffix(".png"))
+    return out
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    if a.compare:
+        return compare(a)
+    if not a.target:
+        raise SystemExit("bench: give --target URL (repeatable) or --compare")
+    return targets_run(a)
+
+
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="throughput/latency; --compare runs direct, pdgate and sglang-router side by side")
-    p.add_argument("--compare", action="store_true", required=True, help="(the only mode so far)")
+    p = sub.add_parser("bench", help="throughput/latency of gateways; --compare runs direct, pdgate and sglang-router side by side")
+    p.add_argument("--target", action="append", default=[], metavar="URL", help="an OpenAI-compatible gateway (repeatable)")
+    p.add_argument("--concurrency", type=int, default=16, help="closed loop: connections")
+    p.add_argument("--rate", type=float, default=0, help="open loop: requests/s (Poisson arrivals)")
+    p.add_argument("--stream", action="store_true")
+    p.add_argument("--compare", action="store_true",
+                   help="start sim workers and measure direct, pdgate, sglang-router (and --mini-lb) on them")
     p.add_argument("--mini-lb", action="store_true", help="also measure sglang's Python mini_lb")
     p.add_argument("--duration", type=float, default=10)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--out", default="runs/bench.json")
-    p.set_defaults(func=compare)
+    p.set_defaults(func=run)

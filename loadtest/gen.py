@@ -1,4 +1,4 @@
-"""Load generator, run as its own process: closed loop, N connections, fixed duration.
+"""Load generator, run as its own process: closed loop (N connections) or open loop (R req/s).
 
 Modes: ``gateway`` sends one request per op to a gateway; ``direct`` plays the router
 itself and sends both PD legs (with bootstrap fields) straight to a prefill and a decode
@@ -25,14 +25,22 @@ def body(stream: bool, max_tokens: int) -> dict[str, Any]:
             "stream": stream}
 
 
+TPOT: list[float] = []  # per request: (last chunk - first chunk) / (events - 1), streaming only
+
+
 async def one_gateway(s: aiohttp.ClientSession, url: str, data: bytes, stream: bool) -> tuple[bool, float]:
     t0 = time.perf_counter()
     ttft = 0.0
     async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
         if stream:
-            async for _ in r.content.iter_any():
+            events, last = 0, 0.0
+            async for chunk in r.content.iter_any():
+                last = time.perf_counter() - t0
                 if not ttft:
-                    ttft = time.perf_counter() - t0
+                    ttft = last
+                events += chunk.count(b"\n\n")
+            if events > 2:  # the last event is [DONE]
+                TPOT.append((last - ttft) / (events - 2))
         else:
             await r.read()
             ttft = time.perf_counter() - t0
@@ -63,28 +71,47 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     warm_end = time.perf_counter() + a.warmup
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
-        async def worker() -> None:
+        async def op(t0: float) -> None:
             nonlocal errors
-            while (now := time.perf_counter()) < end:
-                t0 = now
-                try:
-                    if a.mode == "direct":
-                        ok, ttft = await one_direct(s, a, b, a.stream)
-                    else:
-                        ok, ttft = await one_gateway(s, a.url + "/v1/chat/completions", data, a.stream)
-                except (aiohttp.ClientError, TimeoutError):
-                    ok, ttft = False, 0.0
-                if t0 < warm_end:
-                    continue
-                if ok:
-                    lat.append(time.perf_counter() - t0)
-                    ttfts.append(ttft)
+            try:
+                if a.mode == "direct":
+                    ok, ttft = await one_direct(s, a, b, a.stream)
                 else:
-                    errors += 1
+                    ok, ttft = await one_gateway(s, a.url + "/v1/chat/completions", data, a.stream)
+            except (aiohttp.ClientError, TimeoutError):
+                ok, ttft = False, 0.0
+            if t0 < warm_end:
+                return
+            if ok:
+                lat.append(time.perf_counter() - t0)
+                ttfts.append(ttft)
+            else:
+                errors += 1
+
+        async def closed_loop() -> None:
+            while (now := time.perf_counter()) < end:
+                await op(now)
+
+        async def open_loop() -> None:
+            """Poisson arrivals at --rate; latency counts from the scheduled arrival time."""
+            rng = random.Random(1)
+            pending: set[asyncio.Task[None]] = set()
+            t = time.perf_counter()
+            while t < end:
+                t += rng.expovariate(a.rate)
+                await asyncio.sleep(max(0.0, t - time.perf_counter()))
+                task = asyncio.ensure_future(op(t))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+            if pending:
+                await asyncio.wait(pending, timeout=60)
 
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t_start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(a.concurrency)))
+        if a.rate:
+            await open_loop()
+        else:
+            await asyncio.gather(*(closed_loop() for _ in range(a.concurrency)))
         wall = time.perf_counter() - t_start - a.warmup
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
     lat.sort()
@@ -96,7 +123,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     cpu = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     return {"ok": len(lat), "errors": errors, "seconds": round(wall, 3), "rps": round(len(lat) / wall, 1),
             "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "ttft_p50_ms": pct(ttfts, 0.5),
-            "ttft_p99_ms": pct(ttfts, 0.99), "generator_cpu_s": round(cpu, 3),
+            "ttft_p99_ms": pct(ttfts, 0.99), "tpot_p50_ms": pct(sorted(TPOT), 0.5), "tpot_p99_ms": pct(sorted(TPOT), 0.99),
+            "generator_cpu_s": round(cpu, 3),
             "generator_cpu_share": round(cpu / (wall + a.warmup), 3)}
 
 
@@ -107,7 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prefill", default="")
     p.add_argument("--bootstrap-port", type=int, default=8998)
     p.add_argument("--decode", default="")
-    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--concurrency", type=int, default=16, help="closed loop: connections")
+    p.add_argument("--rate", type=float, default=0, help="open loop: requests/s (Poisson); overrides --concurrency")
     p.add_argument("--duration", type=float, default=10)
     p.add_argument("--warmup", type=float, default=1)
     p.add_argument("--stream", action="store_true")
