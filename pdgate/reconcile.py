@@ -49,6 +49,7 @@ class Reconciler:
         self.cfg = gw.cfg.reconcile
         self.seen: dict[str, float] = {}  # instance id -> last time it was known alive
         self.drift_runs: dict[str, int] = {}
+        self.drift_since: dict[str, float] = {}
 
     # ---- facts ------------------------------------------------------------------------
     def live_rids(self) -> set[str]:
@@ -113,9 +114,12 @@ class Reconciler:
         w.drift = max(0, excess)
         self.gw.metrics.drift.labels(w.id).set(w.drift)
         runs = self.drift_runs[w.id] = self.drift_runs.get(w.id, 0) + 1 if excess > 0 else 0
+        if runs == 1:
+            self.drift_since[w.id] = self.gw.now()
         if runs < self.cfg.drift_checks:
             return
-        since = self.gw.now() - (self.cfg.interval_s * (self.cfg.drift_checks + 1) + self.cfg.grace_s)
+        # rids that ended up to a health refresh and a pass before the excess was first seen
+        since = self.drift_since[w.id] - (self.cfg.interval_s + self.gw.cfg.health.interval_s + self.cfg.grace_s)
         rids = [rid for wid, rid, ended in self.gw.recent if wid == w.id and ended >= since]
         if rids:
             log.warning("drift on %s: engine holds %d, we hold %d; re-aborting %d recent rids", w.id, held, w.load, len(rids))

@@ -30,7 +30,8 @@ def ps_table(data: dict[str, Any]) -> Table:
 
 def workers_table(data: dict[str, Any]) -> Table:
     t = Table(title="workers")
-    for col in ("id", "role", "url", "health", "breaker", "load", "restarts", "identity", "fixes", "engine queues"):
+    for col in ("id", "role", "url", "health", "breaker", "load", "restarts", "identity", "fixes", "orphans", "drift",
+                "engine queues"):
         t.add_column(col)
     for w in data.get("workers", []):
         state = "degraded" if w["degraded"] else ("up" if w["healthy"] else "down")
@@ -38,7 +39,8 @@ def workers_table(data: dict[str, Any]) -> Table:
         eng = w.get("engine") or {}
         queues = " ".join(f"{k.replace('_queue_reqs', '').replace('num_', '')}={v}" for k, v in eng.items() if v)
         t.add_row(w["id"], w["role"], w["url"], Text(state, style=style), w["breaker"], str(w["load"]), str(w["restarts"]),
-                  (w.get("identity") or "-")[:8], ",".join(w.get("fixes") or []) or "-", queues or "idle")
+                  (w.get("identity") or "-")[:8], ",".join(w.get("fixes") or []) or "-", str(w.get("orphans", 0)),
+                  str(w.get("drift", 0)), queues or "idle")
     return t
 
 

@@ -128,6 +128,7 @@ class SimConfig:
     stall_threshold: int = 16384
     unsafe_kernel: bool = False
     disconnect_notice_s: float = 4.0
+    extension: bool = True  # serve GET /pdgate/v1/requests (off: look like plain SGLang)
 
     @classmethod
     def from_env(cls, **kw: Any) -> SimConfig:
@@ -160,6 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-bytes-per-token", type=int, default=256)
     p.add_argument("--kv-budget-tokens", type=int, default=4_000_000)
     p.add_argument("--kv-buffer-mb", type=int, default=64, help="nixl: registered DRAM buffer per worker")
+    p.add_argument("--no-extension", action="store_true",
+                   help="do not serve GET /pdgate/v1/requests nor the pdgate fields of /server_info (like plain SGLang)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -180,6 +183,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_bytes_per_token=args.kv_bytes_per_token,
         kv_budget_tokens=args.kv_budget_tokens,
         kv_buffer_bytes=args.kv_buffer_mb * 1024 * 1024,
+        extension=not args.no_extension,
     )
     for item in args.fault:
         name, sep, value = item.partition("=")

@@ -268,10 +268,12 @@ def _server_info(engine: Engine) -> dict[str, Any]:
             "disaggregation_mode": cfg.role, "disaggregation_bootstrap_port": cfg.bootstrap_port,
             "disaggregation_transfer_backend": cfg.transfer_backend, "context_length": cfg.max_context,
             "tp_size": 1, "dp_size": 1, "pp_size": 1, "load_balance_method": "round_robin"}
-    return {**args, "version": "0.5.23-sim", "pdgate_engine": "sim", p.IDENTITY_FIELD: engine.identity,
-            p.FIXES_FIELD: sorted(cfg.fixes), "pdgate_faults": engine.cfg.faults.values,
-            "started_at": engine.started, "scheduler_info": {"max_total_num_tokens": cfg.kv_budget_tokens},
+    info = {**args, "version": "0.5.23-sim", "scheduler_info": {"max_total_num_tokens": cfg.kv_budget_tokens},
             "internal_states": [{"last_gen_throughput": 0.0, "memory_usage": {}}]}
+    if cfg.extension:
+        info.update({"pdgate_engine": "sim", p.IDENTITY_FIELD: engine.identity, p.FIXES_FIELD: sorted(cfg.fixes),
+                     "pdgate_faults": engine.cfg.faults.values, "started_at": engine.started})
+    return info
 
 
 async def health(request: web.Request) -> web.Response:
@@ -378,7 +380,8 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_get(p.LOADS_PATH, loads)
     app.router.add_get(p.METRICS_PATH, metrics_handler)
     app.router.add_post("/flush_cache", flush_cache)
-    app.router.add_get(p.EXT_REQUESTS_PATH, ext_requests)
+    if engine.cfg.extension:
+        app.router.add_get(p.EXT_REQUESTS_PATH, ext_requests)
     app.router.add_route("*", p.EXT_FAULTS_PATH, ext_faults)
     return app
 

@@ -55,6 +55,23 @@ async def test_exact_mode_aborts_orphans_and_without_it_they_stay(procs: Procs, 
     assert await gauge(http, p, INFLIGHT) == 2, "without reconciliation the pins stay"
 
 
+async def test_count_mode_for_plain_sglang(procs: Procs, http: aiohttp.ClientSession, gateways: list[Any]) -> None:
+    """Without the extension: the engine's counts exceed ours, so the worker's recent rids are aborted again."""
+    p, d = procs.pair("--fixes", "none", "--no-extension")
+    await set_faults(http, d, ack_loss=True)
+    rc = ReconcileConfig(interval_s=0.5, grace_s=1.0, lease_s=2.0, drift_checks=2)
+    g = await gateway(gateways, [p], [d], abort_legs=False, reconcile=rc)
+    assert g.gw.pool.by_id["p0"].has_extension is False
+    await pin_on_prefill(http, g.url, 3)
+    await asyncio.sleep(0.6)
+    assert await gauge(http, p, INFLIGHT) == 3
+    await wait_gauge(http, p, INFLIGHT, 0, within=rc.interval_s * (rc.drift_checks + 1) + 0.5 + 2)
+    async with http.get(g.url + "/metrics") as r:
+        text = await r.text()
+    assert 'pdgate_reconcile_aborts_total{mode="count",worker="p0"}' in text
+    assert 'mode="exact"' not in text
+
+
 async def test_gateway_killed_mid_load_is_cleaned_by_its_successor(procs: Procs, http: aiohttp.ClientSession,
                                                                   gateways: list[Any], tmp_path: Path) -> None:
     env = {"SGLANG_REQUEST_STATE_WAIT_TIMEOUT": "0.3"}  # the engines notice the dead client fast
