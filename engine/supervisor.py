@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("engine.supervisor")
-ENGINES = ("sim",)
+ENGINES = ("sim", "sglang")
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class WorkerDef:
     bootstrap_port: int | None = None
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    options: Any = field(default=None, compare=False)  # engine "sglang": the whole cluster entry, for the planner
 
     @property
     def url(self) -> str:
@@ -48,6 +49,10 @@ class WorkerDef:
             if self.bootstrap_port is not None:
                 cmd += ["--bootstrap-port", str(self.bootstrap_port)]
             return cmd + list(self.args)
+        if self.engine == "sglang":
+            from engine.sglang.plan import command
+
+            return command(self.options)
         raise ValueError(f"worker {self.name}: engine {self.engine!r} is not supported here (supported: {', '.join(ENGINES)})")
 
 
@@ -59,7 +64,7 @@ class Cluster:
     restart_backoff_s: tuple[float, ...] = (0.5, 1, 2, 5, 10)
 
 
-def load_cluster(path: str | Path) -> Cluster:
+def load_cluster(path: str | Path, allow_unsafe_kernel_profile: bool = False) -> Cluster:
     with open(path, "rb") as f:
         data = tomllib.load(f)
     top = data.get("cluster", {})
@@ -67,7 +72,14 @@ def load_cluster(path: str | Path) -> Cluster:
     names: set[str] = set()
     for i, w in enumerate(data.get("worker", [])):
         where = f"{path}: worker[{i}]"
-        unknown = set(w) - {"name", "engine", "role", "port", "bootstrap_port", "args", "env"}
+        allowed = {"name", "engine", "role", "port", "bootstrap_port", "args", "env"}
+        env = {str(k): str(v) for k, v in w.get("env", {}).items()}
+        if w.get("engine") == "sglang":
+            from engine.sglang.plan import KEYS, environment
+
+            allowed = KEYS
+            env, _ = environment(w, allow_unsafe_kernel_profile)  # profile + GPUs + env; refuses known-bad knobs
+        unknown = set(w) - allowed
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
         if w.get("engine", "sim") not in ENGINES:
@@ -80,7 +92,7 @@ def load_cluster(path: str | Path) -> Cluster:
         workers.append(WorkerDef(name=w["name"], engine=w.get("engine", "sim"), role=w["role"], port=int(w["port"]),
                                  bootstrap_port=w.get("bootstrap_port", 8998 if w["role"] == "prefill" else None),
                                  args=tuple(str(a) for a in w.get("args", [])),
-                                 env=tuple((str(k), str(v)) for k, v in w.get("env", {}).items())))
+                                 env=tuple(env.items()), options=w))
     if not workers:
         raise ValueError(f"{path}: no [[worker]] entries")
     return Cluster(tuple(workers), Path(top.get("log_dir", "logs")), float(top.get("ready_timeout_s", 30)),

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start the workers of a cluster file and the gateway in front of them")
     _add_gateway_flags(p)
     p.add_argument("--cluster", default="config/cluster.sim.toml")
+    p.add_argument("--allow-unsafe-kernel-profile", action="store_true",
+                   help="run engine=sglang workers even with a known-bad kernel knob (see config/kernels)")
     for name, helptext in (("ps", "live requests"), ("workers", "workers: health, breaker, load, engine queues"),
                            ("top", "live refresh of ps and workers"), ("trace", "one request's timeline"),
                            ("abort", "abort one live request")):
@@ -153,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             from pdgate.up import run_up  # the one place the gateway meets engine/
 
-            uvloop.run(run_up(args.cluster, args.config, args.host, args.port))
+            uvloop.run(run_up(args.cluster, args.config, args.host, args.port, args.allow_unsafe_kernel_profile))
     except (config.ConfigError, ValueError) as exc:
         parser.exit(2, f"pdgate: {exc}\n")
 

@@ -41,8 +41,9 @@ def gateway_config(base: config.GatewayConfig, sup: Supervisor, host: str | None
     return config.override(dataclasses.replace(base, prefill=prefill, decode=decode), host=host, port=port)
 
 
-async def run_up(cluster_path: str, config_path: str | None, host: str | None, port: int | None) -> None:
-    cluster = load_cluster(cluster_path)
+async def run_up(cluster_path: str, config_path: str | None, host: str | None, port: int | None,
+                 allow_unsafe_kernel_profile: bool = False) -> None:
+    cluster = load_cluster(cluster_path, allow_unsafe_kernel_profile)
     sup = Supervisor(cluster)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
