@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +23,8 @@ import uvloop
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+
+from loadtest.output import pyplot, verdict_exit, write
 
 WORDS = "alpha beta gamma delta file line error value result test build log path query row column".split()
 
@@ -127,13 +127,8 @@ def report(console: Console, out: dict[str, Any]) -> None:
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib not installed: no {path}", file=sys.stderr)
+    plt = pyplot(path)
+    if plt is None:
         return
     pr = out["per_round"]
     xs = [r["round"] for r in pr]
@@ -169,7 +164,5 @@ def add_parser(sub: Any) -> None:
 def main(a: argparse.Namespace) -> None:
     out = uvloop.run(run(a))
     report(Console(), out)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2))
-    plot(out, Path(a.out).with_suffix(".png"))
-    raise SystemExit(0 if out["verdict"] == "PASS" else 1)
+    write(out, a.out, plot)
+    verdict_exit(out)

@@ -25,6 +25,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from loadtest.output import pyplot, write
 from loadtest.procs import Proc, cpu_seconds, free_port, wait_http
 
 PING = b'{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}'
@@ -124,10 +125,8 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
     summary = summarize(results)
     out = {"command": " ".join(sys.argv), "duration_s": a.duration, "repeats": a.repeats, "logs": str(tmp),
            "results": summary, "raw": results}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2))
     print_table(console, summary)
-    plot(summary, Path(a.out).with_suffix(".png"))
+    write(out, a.out, lambda _, png: plot(summary, png))
     console.print(f"wrote {a.out} and {Path(a.out).with_suffix('.png')}")
     return out
 
@@ -158,13 +157,8 @@ def print_table(console: Console, summary: dict[str, dict[str, dict[str, Any]]])
 
 
 def plot(summary: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib not installed: no {path}", file=sys.stderr)
+    plt = pyplot(path)
+    if plt is None:
         return
     wls = list(summary)
     names = list(next(iter(summary.values())))
@@ -198,8 +192,6 @@ def targets_run(a: argparse.Namespace) -> dict[str, Any]:
                 bar.advance(job)
     summary = summarize(results)
     out = {"command": " ".join(sys.argv), "results": summary, "raw": results}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2))
     t = Table(title=f"bench {wl}")
     for col in ("target", "req/s", "p50 ms", "p99 ms", "ttft p50", "ttft p99", "tpot p50", "tpot p99", "errors", "gen CPU"):
         t.add_column(col, justify="right")
@@ -207,7 +199,7 @@ def targets_run(a: argparse.Namespace) -> dict[str, Any]:
         t.add_row(url, f"{m['rps']:.0f}", str(m["p50_ms"]), str(m["p99_ms"]), str(m["ttft_p50_ms"]), str(m["ttft_p99_ms"]),
                   str(m["tpot_p50_ms"]), str(m["tpot_p99_ms"]), str(int(m["errors"])), f"{m['generator_cpu_share']:.2f}")
     console.print(t)
-    plot(summary, Path(a.out).with_suffix(".png"))
+    write(out, a.out, lambda _, png: plot(summary, png))
     return out
 
 

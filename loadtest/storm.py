@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import re
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,8 @@ import uvloop
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
+
+from loadtest.output import pyplot, verdict_exit, write
 
 GAUGE = "num_prefill_inflight_queue_reqs"
 FORCE_FAILS = "num_prefill_inflight_timeout_reqs_total"
@@ -189,13 +189,8 @@ def report(console: Console, out: dict[str, Any]) -> None:
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib not installed: no {path}", file=sys.stderr)
+    plt = pyplot(path)
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(10, 4))
     for u in out["prefill_metrics"]:
@@ -233,7 +228,5 @@ def add_parser(sub: Any) -> None:
 def main(a: argparse.Namespace) -> None:
     out = uvloop.run(run(a))
     report(Console(), out)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(out, indent=2))
-    plot(out, Path(a.out).with_suffix(".png"))
-    raise SystemExit(0 if out["verdict"] == "PASS" else 1)
+    write(out, a.out, plot)
+    verdict_exit(out)

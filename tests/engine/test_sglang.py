@@ -125,31 +125,31 @@ class Req:
         self.status: int | None = None
 
 
+def conclude(sched: Any, polls: list[int]) -> list[Req]:
+    """Success -> 200 and out, Failed -> 500 and out (handle_inflight_transfer_failure), else stay."""
+    done, undone = [], []
+    for req, poll in zip(sched.disagg_prefill_inflight_queue, polls, strict=True):
+        if poll in (SUCCESS, FAILED):
+            req.status = 200 if poll == SUCCESS else 500
+            done.append(req)
+        else:
+            undone.append(req)
+    sched.disagg_prefill_inflight_queue = undone
+    return done
+
+
 class SchedulerDisaggregationPrefillMixin:
     """process_disagg_prefill_inflight_queue: MIN all-reduce of polls across ranks, Failed -> 500 and out."""
-
-    ranks: list[Any] = []
 
     def __init__(self, reqs: list[Req]) -> None:
         self.disagg_prefill_inflight_queue = reqs
 
     def process_disagg_prefill_inflight_queue(self, rids_to_check: Any = None) -> list[Req]:
-        polls = [min(r.disagg_kv_sender.poll() for r in reqs_at_i)
-                 for reqs_at_i in zip(*(s.disagg_prefill_inflight_queue for s in self.ranks), strict=True)] \
-            if self.ranks else [r.disagg_kv_sender.poll() for r in self.disagg_prefill_inflight_queue]
-        done, undone = [], []
-        for req, poll in zip(self.disagg_prefill_inflight_queue, polls, strict=True):
-            if poll in (SUCCESS, FAILED):
-                req.status = 200 if poll == SUCCESS else 500
-                done.append(req)
-            else:
-                undone.append(req)
-        self.disagg_prefill_inflight_queue = undone
-        return done
+        return conclude(self, [r.disagg_kv_sender.poll() for r in self.disagg_prefill_inflight_queue])
 
 
 def fresh_classes() -> tuple[type, type]:
-    mixin = type("Mixin", (SchedulerDisaggregationPrefillMixin,), {"ranks": []})
+    mixin = type("Mixin", (SchedulerDisaggregationPrefillMixin,), {})
     sender = type("Sender", (CommonKVSender,), {})
     return mixin, sender
 
@@ -199,15 +199,7 @@ class TPRank(SchedulerDisaggregationPrefillMixin):
 
     def process_disagg_prefill_inflight_queue(self, rids_to_check: Any = None) -> list[Req]:
         polls = self.reduce(self.rank, [r.disagg_kv_sender.poll() for r in self.disagg_prefill_inflight_queue])
-        done, undone = [], []
-        for req, poll in zip(self.disagg_prefill_inflight_queue, polls, strict=True):
-            if poll in (SUCCESS, FAILED):
-                req.status = 200 if poll == SUCCESS else 500
-                done.append(req)
-            else:
-                undone.append(req)
-        self.disagg_prefill_inflight_queue = undone
-        return done
+        return conclude(self, polls)
 
 
 def test_fix_c_is_consistent_across_tp_ranks() -> None:
