@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from pdgate.config import ReconcileConfig
 from tests.engine.simclient import engine_requests, gauge, set_faults, wait_gauge
@@ -55,6 +56,33 @@ async def test_exact_mode_aborts_orphans_and_without_it_they_stay(procs: Procs, 
     assert await gauge(http, p, INFLIGHT) == 2, "without reconciliation the pins stay"
 
 
+@pytest.mark.parametrize("reconcile_on", [True, False])
+async def test_decode_restart_pins_the_prefill_unless_reconciled(procs: Procs, http: aiohttp.ClientSession,
+                                                                  gateways: list[Any], reconcile_on: bool) -> None:
+    """The decode dies before it registers the room: the prefill waits in its bootstrap queue (fix B off).
+    The gateway retries on the restarted decode and completes; the first attempt's prefill leg is the pin."""
+    p = procs.sim("prefill", "--fixes", "none")
+    d = procs.sim("decode", "--fixes", "none", "--fault", "slow_accept=1")
+    rc = FAST if reconcile_on else ReconcileConfig(enabled=False)
+    g = await gateway(gateways, [p], [d], abort_legs=False, reconcile=rc)
+    task = asyncio.create_task(post(http, g, CHAT))
+    while [r["queue"] for r in await engine_requests(http, p)] != ["bootstrap"]:
+        await asyncio.sleep(0.02)
+    d.proc.stop(signal.SIGKILL)
+    procs.sim("decode", "--fixes", "none", port=d.port)
+    status, _, rid = await asyncio.wait_for(task, 20)
+    assert status == 200
+    held = [r["rid"] for r in await engine_requests(http, p)]
+    t0 = asyncio.get_running_loop().time()
+    if reconcile_on:
+        await wait_gauge(http, p, "num_prefill_bootstrap_queue_reqs", 0, within=FAST.interval_s + FAST.grace_s + 2)
+        assert asyncio.get_running_loop().time() - t0 <= FAST.interval_s + FAST.grace_s + 2
+    else:
+        assert held == [rid + ".1"], "the first attempt's prefill leg is left in the bootstrap queue"
+        await asyncio.sleep(FAST.interval_s + FAST.grace_s + 2)
+        assert await gauge(http, p, "num_prefill_bootstrap_queue_reqs") == 1
+
+
 async def test_count_mode_for_plain_sglang(procs: Procs, http: aiohttp.ClientSession, gateways: list[Any]) -> None:
     """Without the extension: the engine's counts exceed ours, so the worker's recent rids are aborted again."""
     p, d = procs.pair("--fixes", "none", "--no-extension")
@@ -94,24 +122,45 @@ async def test_gateway_killed_mid_load_is_cleaned_by_its_successor(procs: Procs,
         assert r.status == 200
 
 
-async def test_two_gateways_never_abort_each_others_live_requests(procs: Procs, http: aiohttp.ClientSession,
-                                                                  gateways: list[Any]) -> None:
-    p, d = procs.sim("prefill"), procs.sim("decode", "--speed", "15")  # requests last ~2-3 s > grace and lease
-    rc = ReconcileConfig(interval_s=0.3, grace_s=0.5, lease_s=1.0)
+async def test_two_gateway_processes_never_abort_each_others_live_requests(
+        procs: Procs, http: aiohttp.ClientSession, gateways: list[Any], tmp_path: Path) -> None:
+    p = procs.sim("prefill", "--fixes", "none")
+    d = procs.sim("decode", "--fixes", "none", "--speed", "15")  # requests last ~2-3 s: longer than grace and lease
+    rc = ReconcileConfig(interval_s=0.3, grace_s=0.5, lease_s=1.5)
     pa, pb = free_port(), free_port()
-    a = await start_gateway(dataclasses.replace(make_config([p], [d], reconcile=rc), port=pa,
-                                                peers=(f"http://127.0.0.1:{pb}",)))
-    gateways.append(a)
-    b = await start_gateway(dataclasses.replace(make_config([p], [d], reconcile=rc), port=pb,
-                                                peers=(f"http://127.0.0.1:{pa}",)))
+    cfg = tmp_path / "a.toml"
+    cfg.write_text(f'[gateway]\nport = {pa}\npeers = ["http://127.0.0.1:{pb}"]\n'
+                   f"[reconcile]\ninterval_s = 0.3\ngrace_s = 0.5\nlease_s = 1.5\n"
+                   f'[[prefill]]\nurl = "{p.url}"\nbootstrap_port = {p.bootstrap_port}\n[[decode]]\nurl = "{d.url}"\n')
+    a_proc = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg)], name="gateway-a")
+    a_url = f"http://127.0.0.1:{pa}"
+    wait_http(a_url + "/readiness", proc=a_proc.popen)
+    b = await start_gateway(dataclasses.replace(make_config([p], [d], reconcile=rc), port=pb, peers=(a_url,)))
     gateways.append(b)
+
     body = {**CHAT, "max_tokens": 30}
-    results = await asyncio.gather(*(post(http, g, body) for g in (a, b) for _ in range(4)))
-    assert [s for s, _, _ in results] == [200] * 8
-    for g in (a, b):
-        for rec in g.gw.traces.finished.values():
-            assert len(rec.attempts) == 1
-            assert not any(e[1] == "reconcile_abort" for e in rec.attempts[0].events), rec.id
-    async with http.get(a.url + "/metrics") as r:
-        assert "pdgate_reconcile_aborts_total{" not in await r.text()
-    assert await engine_requests(http, d) == []
+    results = await asyncio.gather(*(post_to(http, url, body) for url in (a_url, b.url) for _ in range(4)))
+    assert [s for s, _ in results] == [200] * 8
+    for url, rid in [(a_url, r) for _, r in results[:4]] + [(b.url, r) for _, r in results[4:]]:
+        async with http.get(f"{url}/v1/requests/{rid}") as r:
+            t = await r.json()
+        assert t["outcome"] == "completed" and len(t["attempts"]) == 1, t
+        assert not any(e["event"] == "reconcile_abort" for e in t["attempts"][0]["events"]), t["id"]
+    assert await gauge(http, p, "num_aborted_requests_total") == 0
+    assert await gauge(http, d, "num_aborted_requests_total") == 0, "no live request was aborted by anyone"
+
+    # now A dies leaving pins: the prefills wait for acks the decode drops, and the first abort of each is lost
+    await set_faults(http, d, ack_loss=True)
+    await set_faults(http, p, abort_race=True)
+    pinned = await asyncio.gather(*(post_to(http, a_url, CHAT) for _ in range(2)))
+    a_proc.stop(signal.SIGKILL)
+    assert [s for s, _ in pinned] == [200, 200] and await gauge(http, p, INFLIGHT) == 2
+    await wait_gauge(http, p, INFLIGHT, 0, within=rc.lease_s + rc.interval_s + rc.grace_s + 4.5)
+    async with http.get(b.url + "/metrics") as r:
+        assert 'pdgate_reconcile_aborts_total{mode="exact",worker="p0"}' in await r.text()
+
+
+async def post_to(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, str]:
+    async with http.post(url + "/v1/chat/completions", json=body) as r:
+        await r.read()
+        return r.status, r.headers["x-request-id"]
