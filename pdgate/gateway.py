@@ -14,7 +14,7 @@ from typing import Any
 from pdgate import policies
 from pdgate.config import GatewayConfig
 from pdgate.metrics import Metrics, worker_families
-from pdgate.record import Observer, Record, transition
+from pdgate.record import Attempt, Observer, Phase, Record, transition
 from pdgate.traces import Traces
 from pdgate.upstream import Upstream
 from pdgate.workers import Pool, Worker
@@ -78,10 +78,10 @@ class Gateway:
         if not task.cancelled() and task.exception() is not None:
             log.error("background task failed: %r", task.exception())
 
-    def move(self, rec: Record, to: Any, reason: str | None = None) -> None:
+    def move(self, rec: Record, to: Phase, reason: str | None = None) -> None:
         transition(rec, to, self.now(), self.observers, reason)
 
-    def abort_leg(self, att: Any, w: Worker, answered: bool) -> None:
+    def abort_leg(self, att: Attempt, w: Worker, answered: bool) -> None:
         """Send /abort_request for ``att`` to ``w`` in the background; results go on the trace.
 
         An abort that reaches the engine before the leg's own request is a no-op there
@@ -90,18 +90,18 @@ class Gateway:
         if self.cfg.abort_legs:
             self.spawn(self._abort_repeated(att, w, () if answered else self.cfg.abort_repeat_s))
 
-    async def _abort_repeated(self, att: Any, w: Worker, delays: tuple[float, ...]) -> None:
+    async def _abort_repeated(self, att: Attempt, w: Worker, delays: tuple[float, ...]) -> None:
         await self._abort(att, w)
         for delay in delays:
             await asyncio.sleep(delay)
             await self._abort(att, w, "abort_repeat")
 
-    async def _abort(self, att: Any, w: Worker, name: str = "abort_sent") -> None:
+    async def _abort(self, att: Attempt, w: Worker, name: str = "abort_sent") -> None:
         att.event(self.now(), name, w.role)
         try:
             status = await self.up().abort(w.url, att.rid)
             result = "ok" if status == 200 else f"http_{status}"
-        except (OSError, TimeoutError, Exception) as exc:
+        except Exception as exc:  # any failure of the call (refused, reset, timeout) goes on the trace
             result = "error"
             att.event(self.now(), "abort_error", f"{w.role}: {exc.__class__.__name__}")
         else:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
@@ -14,6 +13,7 @@ from pdgate import health, proxy, reconcile, traces, validation
 from pdgate.config import ConfigError, GatewayConfig, WorkerSpec, parse_prefill_flag, validate_worker
 from pdgate.errors import BadRequest, GatewayError, NotFound, PayloadTooLarge, error_json
 from pdgate.gateway import Gateway
+from pdgate.record import Record
 
 GATEWAY = web.AppKey("gateway", Gateway)
 HEALTH_TASKS = web.AppKey("health_tasks", dict)
@@ -175,7 +175,7 @@ async def get_request(request: web.Request) -> web.Response:
     return jsonr(traces.full(rec, gw.now(), engine))
 
 
-async def engine_view(gw: Gateway, rec: Any) -> dict[str, Any]:
+async def engine_view(gw: Gateway, rec: Record) -> dict[str, Any]:
     """Where the engines hold this request (bootstrap / inflight / transfer / running), if they say."""
     a = rec.attempt
     if a is None:
@@ -188,7 +188,7 @@ async def engine_view(gw: Gateway, rec: Any) -> dict[str, Any]:
             return
         try:
             _, body = await gw.up().get_json(w.url + "/pdgate/v1/requests", 1.0)
-        except (OSError, TimeoutError, Exception):
+        except Exception:  # a trace must render whatever the engine does
             out[wid] = {"queue": "unknown"}
             return
         hits = [r for r in (body or {}).get("requests", []) if r.get("rid") == a.rid]
@@ -275,5 +275,3 @@ async def serve(app: web.Application, host: str, port: int) -> web.AppRunner:
     return runner
 
 
-def now_wall() -> float:
-    return time.time()
