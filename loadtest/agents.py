@@ -19,12 +19,11 @@ from typing import Any
 
 import aiohttp
 import orjson
-import uvloop
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from loadtest.output import pyplot, verdict_exit, write
+from loadtest.output import pyplot, verdict_command
 
 WORDS = "alpha beta gamma delta file line error value result test build log path query row column".split()
 
@@ -155,14 +154,4 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--growth", type=int, default=2000, help="tokens of tool output appended per round")
     p.add_argument("--deadline", type=float, default=120, help="per-request deadline, seconds (sent as x-pdgate-timeout)")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--model", default="sim-model")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", default="runs/agents.json")
-    p.set_defaults(func=main)
-
-
-def main(a: argparse.Namespace) -> None:
-    out = uvloop.run(run(a))
-    report(Console(), out)
-    write(out, a.out, plot)
-    verdict_exit(out)
+    verdict_command(p, "agents", run, report, plot)

@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import uvloop
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from loadtest.output import pyplot, verdict_exit, write
+from loadtest.output import pyplot, verdict_command
 
 GAUGE = "num_prefill_inflight_queue_reqs"
 FORCE_FAILS = "num_prefill_inflight_timeout_reqs_total"
@@ -219,14 +218,4 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--window", type=float, default=90, help="seconds to monitor after the storm")
     p.add_argument("--restart-decode", action="store_true", help="restart a decode worker through the gateway mid-storm")
     p.add_argument("--request-timeout", type=float, default=120, help="a client request still open after this is hung")
-    p.add_argument("--model", default="sim-model")
-    p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--out", default="runs/storm.json")
-    p.set_defaults(func=main)
-
-
-def main(a: argparse.Namespace) -> None:
-    out = uvloop.run(run(a))
-    report(Console(), out)
-    write(out, a.out, plot)
-    verdict_exit(out)
+    verdict_command(p, "storm", run, report, plot)
