@@ -27,7 +27,7 @@ class Gateway:
         self.cfg = cfg
         self.instance = cfg.instance_id or secrets.token_hex(4)
         self._seq = itertools.count(1)
-        self.pool = Pool(cfg.breaker)
+        self.pool = Pool(cfg.breaker, frozenset(cfg.models))
         self.traces = Traces(cfg.trace_ring)
         self.metrics = Metrics()
         self.observers: tuple[Observer, ...] = (self.metrics.on_transition,)
@@ -59,8 +59,8 @@ class Gateway:
         if ev is not None:
             ev.set()
 
-    def known_models(self) -> set[str]:
-        return self.pool.models() | set(self.cfg.models)
+    def known_models(self) -> frozenset[str]:
+        return self.pool.models()
 
     def up(self) -> Upstream:
         assert self.upstream is not None, "gateway not started"

@@ -68,7 +68,7 @@ def on_up(gw: Gateway, w: Worker, info: dict[str, Any]) -> None:
         w.identity = ident
     w.fixes = info.get(protocol.FIXES_FIELD)
     served = info.get("served_model_name") or info.get("model_path")
-    w.models = (served,) if isinstance(served, str) else ()
+    gw.pool.set_models(w, (served,) if isinstance(served, str) else ())
     w.has_extension = info.get("pdgate_engine") is not None
     w.healthy, w.health_failures, w.last_error = True, 0, None
     if restarted:

@@ -11,7 +11,6 @@ BOOTSTRAP_HOST = "bootstrap_host"
 BOOTSTRAP_PORT = "bootstrap_port"
 BOOTSTRAP_ROOM = "bootstrap_room"
 RID = "rid"
-MAX_ROOM = 2**63 - 1
 DEFAULT_BOOTSTRAP_PORT = 8998
 
 # Generation routes forwarded to both legs, same path and body.
@@ -31,9 +30,6 @@ EXT_FAULTS_PATH = "/pdgate/v1/faults"
 IDENTITY_FIELD = "pdgate_identity"
 # Field of /server_info that lists the engine-side fixes in force.
 FIXES_FIELD = "pdgate_fixes"
-
-PREFILL_QUEUES = ("bootstrap", "waiting", "forward", "inflight")
-DECODE_QUEUES = ("prealloc", "transfer", "running")
 
 # SGLang gauge names for the PD queues (prefix "sglang:"; newer releases "sglang_").
 GAUGE_PREFILL_BOOTSTRAP = "num_prefill_bootstrap_queue_reqs"

@@ -134,8 +134,10 @@ class Worker:
 class Pool:
     """All workers by id, with per-role lists kept for the hot path."""
 
-    def __init__(self, breaker: BreakerConfig) -> None:
+    def __init__(self, breaker: BreakerConfig, configured_models: frozenset[str] = frozenset()) -> None:
         self._breaker = breaker
+        self._configured = configured_models
+        self._models = configured_models  # served models, kept current: read on every admission
         self.by_id: dict[str, Worker] = {}
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
@@ -155,7 +157,16 @@ class Pool:
     def remove(self, wid: str) -> Worker:
         w = self.by_id.pop(wid)
         getattr(self, w.role).remove(w)
+        self._refresh_models()
         return w
+
+    def set_models(self, w: Worker, models: tuple[str, ...]) -> None:
+        if models != w.models:
+            w.models = models
+            self._refresh_models()
+
+    def _refresh_models(self) -> None:
+        self._models = self._configured | {m for w in self.by_id.values() for m in w.models}
 
     def available(self, role: str, now: float) -> list[Worker]:
         return [w for w in getattr(self, role) if w.available(now)]
@@ -163,5 +174,6 @@ class Pool:
     def ready(self, now: float) -> bool:
         return bool(self.available("prefill", now)) and bool(self.available("decode", now))
 
-    def models(self) -> set[str]:
-        return {m for w in self.by_id.values() for m in w.models}
+    def models(self) -> frozenset[str]:
+        """Models served by the workers or named in the config."""
+        return self._models
