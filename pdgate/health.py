@@ -16,8 +16,6 @@ import asyncio
 import logging
 from typing import Any
 
-import aiohttp
-
 from pdgate import protocol
 from pdgate.gateway import Gateway
 from pdgate.workers import Worker
@@ -38,7 +36,7 @@ async def check(gw: Gateway, w: Worker) -> None:
             w.engine = _engine_counts(loads)
         else:
             w.last_error = f"/health answered {status}"
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+    except OSError as exc:
         w.last_error = f"{exc.__class__.__name__}: {exc}"
     if ok:
         on_up(gw, w, info if isinstance(info, dict) else {})

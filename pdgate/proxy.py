@@ -14,8 +14,6 @@ import time
 from typing import Any
 
 import orjson
-from aiohttp import web
-from aiohttp.client_exceptions import ClientConnectionResetError
 
 from pdgate import deadlines, protocol, validation
 from pdgate.errors import (
@@ -25,7 +23,6 @@ from pdgate.errors import (
     InvalidJSON,
     ModelNotFound,
     NoHealthyPair,
-    PayloadTooLarge,
     UpstreamError,
     UpstreamStatus,
     WorkerLost,
@@ -33,6 +30,8 @@ from pdgate.errors import (
     sse_error_event,
 )
 from pdgate.gateway import Gateway
+from pdgate.h1client import Response as UpstreamResponse
+from pdgate.h1server import ClientGone, Request, Response, Stream
 from pdgate.policies import select_pair
 from pdgate.record import Attempt, Phase, Record, phase_label
 from pdgate.upstream import wrap
@@ -41,10 +40,6 @@ from pdgate.workers import Worker
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 DONE = b"data: [DONE]\n\n"
 ERROR_EVENT = b'data: {"error"'
-
-
-class ClientGone(Exception):
-    """Writing to the client failed: it left."""
 
 
 class Bind:
@@ -68,33 +63,21 @@ class Bind:
 class Ctx:
     __slots__ = ("body", "gw", "merge_logprobs", "rec", "request", "resp", "route", "stream_error", "watchdog")
 
-    def __init__(self, gw: Gateway, request: web.Request, rec: Record, route: str, body: dict[str, Any]) -> None:
+    def __init__(self, gw: Gateway, request: Request, rec: Record, route: str, body: dict[str, Any]) -> None:
         self.gw = gw
         self.request = request
         self.rec = rec
         self.route = route
         self.body = body
-        self.resp: web.StreamResponse | None = None
+        self.resp: Stream | None = None
         self.stream_error: str | None = None
         self.watchdog: Watchdog | None = None
         self.merge_logprobs = route == validation.GENERATE and bool(body.get("return_logprob"))
 
-    async def start_stream(self) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={**SSE_HEADERS, "x-request-id": self.rec.id})
-        try:
-            await resp.prepare(self.request)
-        except (ConnectionResetError, ClientConnectionResetError) as exc:
-            raise ClientGone(str(exc)) from None
-        self.resp = resp
+    async def start_stream(self) -> Stream:
         self.rec.bytes_sent = True
-        return resp
-
-    async def write(self, data: bytes) -> None:
-        assert self.resp is not None
-        try:
-            await self.resp.write(data)
-        except (ConnectionResetError, ClientConnectionResetError) as exc:
-            raise ClientGone(str(exc)) from None
+        self.resp = await self.request.stream(200, {**SSE_HEADERS, "x-request-id": self.rec.id})
+        return self.resp
 
     def first_token(self, now: float) -> None:
         rec = self.rec
@@ -142,11 +125,8 @@ class Watchdog:
 
 
 # ---- admit -------------------------------------------------------------------------------
-async def admit(gw: Gateway, request: web.Request, route: str) -> Ctx:
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise PayloadTooLarge(f"request body is larger than {gw.cfg.max_body_bytes} bytes") from None
+def admit(gw: Gateway, request: Request, route: str) -> Ctx:
+    raw = request.body
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -169,7 +149,7 @@ async def admit(gw: Gateway, request: web.Request, route: str) -> Ctx:
 
 
 # ---- serve: the whole life of one request ---------------------------------------------------
-async def serve(ctx: Ctx) -> web.StreamResponse:
+async def serve(ctx: Ctx) -> Response | Stream:
     gw, rec = ctx.gw, ctx.rec
     task = asyncio.current_task()
     assert task is not None
@@ -185,7 +165,7 @@ async def serve(ctx: Ctx) -> web.StreamResponse:
         finalize(ctx, Phase.COMPLETED, None, 200)
         if ctx.resp is not None:
             return ctx.resp
-        return web.Response(body=body, content_type="application/json", headers={"x-request-id": rec.id})
+        return Response(body, headers={"x-request-id": rec.id})
     except asyncio.CancelledError:
         if wd.expired is not None and task.uncancel() == 0:
             err: GatewayError = deadline_error(rec, wd.expired)
@@ -200,7 +180,7 @@ async def serve(ctx: Ctx) -> web.StreamResponse:
         raise
     except ClientGone:
         finalize(ctx, Phase.ABORTED, "client disconnected", 499)
-        return ctx.resp or web.Response(status=499)
+        return ctx.resp or Response(status=499)
     except GatewayError as exc:
         finalize(ctx, Phase.FAILED, exc.message, exc.status)
         return await respond_error(ctx, exc)
@@ -235,16 +215,14 @@ def finalize(ctx: Ctx, outcome: Phase, reason: str | None, status: int) -> None:
         gw.recent.append((a.decode, a.rid, now))
 
 
-async def respond_error(ctx: Ctx, exc: GatewayError) -> web.StreamResponse:
+async def respond_error(ctx: Ctx, exc: GatewayError) -> Response | Stream:
     if ctx.resp is not None:  # headers already sent: an error event, then [DONE]
         try:
             await ctx.resp.write(sse_error_event(exc))
-            await ctx.resp.write_eof()
-        except (ConnectionResetError, ClientConnectionResetError):
+        except ClientGone:
             pass
         return ctx.resp
-    return web.Response(body=error_json(exc), status=exc.status, content_type="application/json",
-                        headers={"x-request-id": ctx.rec.id})
+    return Response(error_json(exc), exc.status, headers={"x-request-id": ctx.rec.id})
 
 
 # ---- dispatch with retries ----------------------------------------------------------------------
@@ -341,7 +319,7 @@ async def prefill_tail(gw: Gateway, att: Attempt, pw: Worker, p_task: asyncio.Ta
 async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: Bind) -> bytes:
     gw = ctx.gw
     try:
-        async with gw.up().post(w.url + ctx.route, payload) as resp:
+        async with gw.up().post(w.url, ctx.route, payload) as resp:
             body: bytes = await resp.read()
             status: int = resp.status
     except asyncio.CancelledError:
@@ -370,7 +348,7 @@ async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes) -> bytes
     gw, rec = ctx.gw, ctx.rec
     body: bytes
     try:
-        async with gw.up().post(w.url + ctx.route, payload) as resp:
+        async with gw.up().post(w.url, ctx.route, payload) as resp:
             att.event(gw.now(), "decode_headers", resp.status)
             if resp.status != 200:
                 failed: bytes = await resp.read()
@@ -399,27 +377,28 @@ async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes) -> bytes
         raise wrap(exc, "decode", w.id) from None
 
 
-async def relay_stream(ctx: Ctx, att: Attempt, w: Worker, resp: Any) -> None:
+async def relay_stream(ctx: Ctx, att: Attempt, w: Worker, resp: UpstreamResponse) -> None:
     """Relay decode's SSE bytes as they come, without re-encoding; count events as tokens."""
     gw, rec = ctx.gw, ctx.rec
     done = False
-    async for chunk in resp.content.iter_any():
+    out = ctx.resp
+    async for chunk in resp.chunks():
         now = gw.now()
-        if ctx.resp is None:
+        if out is None:
             if chunk.startswith(ERROR_EVENT):  # failed before anything reached the client: retryable
                 detail = _detail(chunk[6:].split(b"\n\n", 1)[0])
                 raise UpstreamStatus(f"decode worker {w.id} failed: {detail}", role="decode", worker=w.id,
                                      upstream_status=500)
             att.event(now, "first_token")
             ctx.first_token(now)
-            await ctx.start_stream()
+            out = await ctx.start_stream()
         elif ERROR_EVENT in chunk:
             ctx.stream_error = "decode reported an error mid-stream"
         rec.chunks += chunk.count(b"\n\n")
         rec.last_token_at = now
         w.last_progress = now
         w.degraded = False
-        await ctx.write(chunk)
+        await out.write(chunk)
         done = chunk.endswith(DONE)
     att.event(gw.now(), "decode_done", rec.chunks)
     if not done:

@@ -26,8 +26,6 @@ import logging
 import re
 from typing import Any
 
-import aiohttp
-
 from pdgate import protocol
 from pdgate.gateway import Gateway
 from pdgate.workers import Worker
@@ -61,7 +59,7 @@ class Reconciler:
         for peer in self.gw.cfg.peers:
             try:
                 status, body = await self.gw.up().get_json(peer.rstrip("/") + "/v1/lease", 2.0)
-            except (aiohttp.ClientError, TimeoutError, OSError):
+            except OSError:
                 continue
             if status == 200 and isinstance(body, dict) and isinstance(body.get("instance"), str):
                 self.seen[body["instance"]] = now
@@ -87,7 +85,7 @@ class Reconciler:
     async def exact(self, w: Worker) -> None:
         try:
             status, body = await self.gw.up().get_json(w.url + protocol.EXT_REQUESTS_PATH, 2.0)
-        except (aiohttp.ClientError, TimeoutError, OSError):
+        except OSError:
             return
         if status != 200 or not isinstance(body, dict):
             return
@@ -131,7 +129,7 @@ class Reconciler:
         try:
             await self.gw.up().abort(w.url, rid)
             result = "ok"
-        except (aiohttp.ClientError, TimeoutError, OSError):
+        except OSError:
             result = "error"
         self.gw.metrics.reconcile_aborts.labels(w.id, mode).inc()
         rec = self.gw.traces.get(rid.rsplit(".", 1)[0])

@@ -8,11 +8,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from pdgate.config import GatewayConfig, HealthConfig, WorkerSpec, validate
 from pdgate.gateway import Gateway
-from pdgate.server import build_app, serve
+from pdgate.server import App, build_app, serve
 from tests.engine.simclient import engine_requests
 from tests.procs import Sim, free_port
 
@@ -21,7 +20,7 @@ from tests.procs import Sim, free_port
 class Running:
     url: str
     gw: Gateway
-    runner: web.AppRunner
+    runner: App
 
     async def close(self) -> None:
         await self.runner.cleanup()
