@@ -29,7 +29,7 @@ class Gateway:
         self._seq = itertools.count(1)
         self.pool = Pool(cfg.breaker, frozenset(cfg.models))
         self.traces = Traces(cfg.trace_ring)
-        self.metrics = Metrics()
+        self.metrics = Metrics(self.traces.live_phases)
         self.observers: tuple[Observer, ...] = (self.metrics.on_transition,)
         self.prefill_policy = policies.make(cfg.policy)
         self.decode_policy = policies.make(cfg.policy)

@@ -100,9 +100,7 @@ def check_progress(gw: Gateway, w: Worker) -> None:
     if stalled >= gw.cfg.health.degraded_after_s and not w.degraded:
         w.degraded = True
         for b in list(w.bound):
-            note = getattr(b, "note", None)
-            if note is not None:
-                note("worker_degraded", f"{w.id}: no progress for {stalled:.1f}s")
+            b.note("worker_degraded", f"{w.id}: no progress for {stalled:.1f}s")
         log.warning("worker %s degraded: holds %d of our requests with no progress for %.1fs", w.id, w.load, stalled)
 
 

@@ -6,11 +6,12 @@ explicit hooks (aborts, retries, deadlines); worker gauges are read at scrape ti
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from pdgate.record import LIVE, Phase, Record
@@ -20,17 +21,49 @@ disable_created_metrics()  # type: ignore[no-untyped-call]  # the *_created seri
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
-class Metrics:
+class Hist:
+    """A histogram kept as plain counts: the per-request path must not take prometheus_client's lock.
+
+    prometheus_client's ``Histogram.observe`` costs a label lookup and a mutex per bucket
+    update; the request path makes five to eight observations per request. These counts
+    are turned into a ``HistogramMetricFamily`` at scrape time (prometheus_client's own
+    custom-collector API), so the exposition is the library's."""
+
+    __slots__ = ("counts", "total")
+
     def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.total = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect_left(LATENCY_BUCKETS, v)] += 1
+        self.total += v
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, acc = [], 0
+        for bound, n in zip((*(str(float(b)) for b in LATENCY_BUCKETS), "+Inf"), self.counts, strict=True):
+            acc += n
+            out.append((bound, float(acc)))
+        return out
+
+
+def hist_family(name: str, doc: str, labels: list[str], hists: dict[tuple[str, ...], Hist]) -> Metric:
+    fam = HistogramMetricFamily(name, doc, labels=labels)
+    for key, h in hists.items():
+        fam.add_metric(list(key), h.buckets(), h.total)
+    return fam
+
+
+class Metrics:
+    def __init__(self, live_phases: Callable[[], dict[Phase, int]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("pdgate_requests", "Finished requests by route and outcome", ["route", "outcome"], registry=r)
-        self.live = Gauge("pdgate_live_requests", "Live requests by phase", ["phase"], registry=r)
-        self.phase_seconds = Histogram("pdgate_phase_duration_seconds", "Time spent in each phase", ["phase"],
-                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("pdgate_ttft_seconds", "Admission to first token", buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pdgate_e2e_seconds", "Admission to terminal outcome", ["outcome"],
-                             buckets=LATENCY_BUCKETS, registry=r)
+        # per-request series: plain counts, rendered at scrape time (see Hist)
+        self.finished: dict[tuple[str, str], int] = {}  # (route, outcome) -> count
+        self.phase_hist = {p: Hist() for p in LIVE}
+        self.ttft_hist = Hist()
+        self.e2e_hist: dict[str, Hist] = {}
+        self.live_phases = live_phases or dict
         self.deadlines = Counter("pdgate_deadline_expired", "Deadline expiries by budget and phase", ["budget", "phase"],
                                  registry=r)
         self.aborts = Counter("pdgate_aborts_sent", "Aborts sent to engines by role and result", ["role", "result"],
@@ -45,25 +78,37 @@ class Metrics:
                            registry=r)
         self.reconcile_aborts = Counter("pdgate_reconcile_aborts", "Aborts sent by reconciliation", ["worker", "mode"],
                                         registry=r)
-        self._live = {p: self.live.labels(p.value) for p in LIVE}
-        self._phase = {p: self.phase_seconds.labels(p.value) for p in LIVE}
-        for p in LIVE:
-            self._live[p].set(0)
+        self.add_collector(self._request_families)
 
     def on_transition(self, rec: Record, frm: Phase, to: Phase, spent: float) -> None:
-        if frm in self._live:
-            self._live[frm].dec()
-            self._phase[frm].observe(spent)
-        if to in self._live:
-            self._live[to].inc()
-        elif to.terminal:
-            self.requests.labels(rec.route, to.value).inc()
-            self.e2e.labels(to.value).observe((rec.finished_at or 0.0) - rec.created)
+        h = self.phase_hist.get(frm)
+        if h is not None:
+            h.observe(spent)
+        if to.terminal:
+            key = (rec.route, to.value)
+            self.finished[key] = self.finished.get(key, 0) + 1
+            e2e = self.e2e_hist.get(to.value)
+            if e2e is None:
+                e2e = self.e2e_hist[to.value] = Hist()
+            e2e.observe((rec.finished_at or 0.0) - rec.created)
             if rec.first_token_at is not None:
-                self.ttft.observe(rec.first_token_at - rec.created)
+                self.ttft_hist.observe(rec.first_token_at - rec.created)
 
-    def on_admit(self, rec: Record) -> None:
-        self._live[Phase.QUEUED].inc()
+    def _request_families(self) -> Iterator[Metric]:
+        req = CounterMetricFamily("pdgate_requests", "Finished requests by route and outcome", labels=["route", "outcome"])
+        for (route, outcome), n in sorted(self.finished.items()):
+            req.add_metric([route, outcome], float(n))
+        yield req
+        live = GaugeMetricFamily("pdgate_live_requests", "Live requests by phase", labels=["phase"])
+        counts = self.live_phases()
+        for p in LIVE:
+            live.add_metric([p.value], float(counts.get(p, 0)))
+        yield live
+        yield hist_family("pdgate_phase_duration_seconds", "Time spent in each phase", ["phase"],
+                          {(p.value,): h for p, h in self.phase_hist.items()})
+        yield hist_family("pdgate_ttft_seconds", "Admission to first token", [], {(): self.ttft_hist})
+        yield hist_family("pdgate_e2e_seconds", "Admission to terminal outcome", ["outcome"],
+                          {(k,): h for k, h in sorted(self.e2e_hist.items())})
 
     def add_collector(self, fn: Callable[[], Iterator[Metric]]) -> None:
         class _C(Collector):

@@ -43,21 +43,36 @@ ERROR_EVENT = b'data: {"error"'
 
 
 class Bind:
-    """An attempt bound to its two workers; ``lose()`` is called when one of them is lost."""
+    """An attempt bound to its two workers and its decode task.
 
-    __slots__ = ("att", "gw", "lost")
+    The handler awaits the decode leg directly; anything that ends the attempt early (its
+    prefill failing before the first token, one of its workers lost) records why in
+    ``failure`` and cancels the decode task, which the handler turns back into that error."""
+
+    __slots__ = ("att", "d_task", "failure", "gw")
 
     def __init__(self, gw: Gateway, att: Attempt) -> None:
         self.gw = gw
         self.att = att
-        self.lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.d_task: asyncio.Task[bytes] | None = None
+        self.failure: BaseException | None = None
+
+    def fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+            if self.d_task is not None:
+                self.d_task.cancel()
 
     def lose(self, reason: str) -> None:
-        if not self.lost.done():
-            self.lost.set_result(reason)
+        self.fail(WorkerLost(f"attempt {self.att.n} lost its worker: {reason}", role="",
+                             worker=reason.split(" ", 1)[0]))
 
     def note(self, name: str, info: Any = None) -> None:
         self.att.event(self.gw.now(), name, info)
+
+    def prefill_done(self, p_task: asyncio.Task[bytes]) -> None:
+        if not p_task.cancelled() and p_task.exception() is not None and not self.att.first_token:
+            self.fail(p_task.exception())  # type: ignore[arg-type]
 
 
 class Ctx:
@@ -144,7 +159,6 @@ def admit(gw: Gateway, request: Request, route: str) -> Ctx:
     rec = Record(id=gw.new_id(), route=route, model=model, stream=stream, created=now, created_wall=time.time(),
                  deadlines=dl, client_request_id=request.headers.get("x-request-id"), body_bytes=len(raw))
     gw.traces.add(rec)
-    gw.metrics.on_admit(rec)
     return Ctx(gw, request, rec, route, body)
 
 
@@ -274,21 +288,20 @@ async def run_attempt(ctx: Ctx, att: Attempt, bind: Bind, pw: Worker, dw: Worker
     loop = asyncio.get_running_loop()
     att.event(gw.now(), "sent")
     p_task = loop.create_task(prefill_leg(ctx, att, pw, payload, bind))
-    d_task = loop.create_task(decode_leg(ctx, att, dw, payload))
+    d_task = bind.d_task = loop.create_task(decode_leg(ctx, att, dw, payload))
+    p_task.add_done_callback(bind.prefill_done)
     gw.move(rec, Phase.PREFILL)
     ok = False
     try:
-        waiting: set[asyncio.Future[Any]] = {p_task, d_task, bind.lost}
-        while not d_task.done():
-            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            if bind.lost in done:
-                reason = bind.lost.result()
-                raise WorkerLost(f"attempt {att.n} lost its worker: {reason}", role="", worker=reason.split(" ", 1)[0])
-            if p_task in done:
-                waiting.discard(p_task)
-                if p_task.exception() is not None and not att.first_token:
-                    raise p_task.exception()  # type: ignore[misc]
-        body = d_task.result()
+        if bind.failure is not None:  # a worker was lost between binding and here
+            raise bind.failure
+        try:
+            body = await d_task
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if bind.failure is not None and task is not None and not task.cancelling():
+                raise bind.failure from None
+            raise
         if ctx.merge_logprobs:
             body = merge_logprobs(await p_task, body)
         ok = True

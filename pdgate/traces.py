@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Any
 
-from pdgate.record import Record, phase_label
+from pdgate.record import Phase, Record, phase_label
 
 
 class Traces:
@@ -25,6 +25,10 @@ class Traces:
 
     def get(self, rid: str) -> Record | None:
         return self.live.get(rid) or self.finished.get(rid)
+
+    def live_phases(self) -> dict[Phase, int]:
+        """Live requests by phase, counted at scrape time (nothing per request)."""
+        return Counter(r.phase for r in self.live.values())
 
     def oldest_age(self, now: float) -> float:
         return max((now - r.created for r in self.live.values()), default=0.0)

@@ -55,6 +55,8 @@ class Bound(Protocol):
 
     def lose(self, reason: str) -> None: ...
 
+    def note(self, name: str, info: Any = None) -> None: ...
+
 
 @dataclass(eq=False)
 class Worker:
