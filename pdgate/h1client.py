@@ -3,7 +3,7 @@
 aiohttp's client costs ~110 µs of CPU per request on this kind of machine, and a PD request
 makes two; this one does what the legs need and nothing more: pooled keep-alive connections
 per origin with TCP_NODELAY, one ``write`` per request, the body delivered as the parser
-hands it over (whole for ``read()``, as it arrives for ``chunks()``), and a connection that
+hands it over (whole for ``read()``, as it arrives for ``pipe()``), and a connection that
 is not at a message boundary is never reused. Errors are ``OSError`` subclasses
 (``ConnectFailed``, ``UpstreamClosed``), wrapped by
 ``pdgate.upstream.wrap`` into the gateway's error tree.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -34,7 +34,7 @@ class ConnectFailed(ConnectionError):
 class Response:
     """One answer; the connection stays with it until the message ends or ``release()``."""
 
-    __slots__ = ("_chunks", "_conn", "_exc", "_size", "_waiter", "complete", "status")
+    __slots__ = ("_chunks", "_conn", "_exc", "_sink", "_size", "_waiter", "complete", "status")
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
@@ -43,6 +43,7 @@ class Response:
         self._size = 0
         self._waiter: asyncio.Future[None] | None = None
         self._exc: BaseException | None = None
+        self._sink: Callable[[bytes], None] | None = None
         self.complete = False
 
     # -- fed by the protocol
@@ -53,7 +54,18 @@ class Response:
             self._conn.pause()
         self._wake()
 
+    def _flush(self) -> None:
+        """Hand what arrived in one read to the sink, at once (called at the end of ``data_received``)."""
+        if self._sink is not None and self._chunks and self._exc is None:
+            try:
+                self._sink(self._take())
+            except Exception as exc:  # the sink's own error (client gone, error event) ends the exchange
+                self._exc = exc
+                self.complete = True
+                self._wake()
+
     def _finish(self, exc: BaseException | None = None) -> None:
+        self._flush()
         if exc is not None and not self.complete:
             self._exc = exc
         self.complete = True
@@ -74,8 +86,9 @@ class Response:
     def _take(self) -> bytes:
         data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
+        if self._size > READ_PAUSE_BYTES:
+            self._conn.resume()
         self._size = 0
-        self._conn.resume()
         return data
 
     # -- used by callers
@@ -87,17 +100,22 @@ class Response:
             raise self._exc
         return self._take()
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives: everything received since the last step, joined."""
-        while True:
-            if self._chunks:
-                yield self._take()
-            elif self.complete:
-                if self._exc is not None:
-                    raise self._exc
-                return
-            else:
-                await self._wait()
+    async def pipe(self, sink: Callable[[bytes], None]) -> None:
+        """Call ``sink`` with the body as it arrives, from the protocol itself (no task switch per chunk),
+        until the message ends. An exception from ``sink`` stops the exchange and is raised here."""
+        self._sink = sink
+        self._flush()
+        while not self.complete:
+            await self._wait()
+        if self._exc is not None:
+            raise self._exc
+
+    def pause(self) -> None:
+        """Stop reading from the engine (the consumer is behind)."""
+        self._conn.pause()
+
+    def resume(self) -> None:
+        self._conn.resume()
 
     def release(self) -> None:
         """Give the connection back if the answer is complete; close it otherwise."""
@@ -144,6 +162,8 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(UpstreamClosed(f"invalid HTTP from {self.pool.origin}: {exc}"))
             self.close()
+        if self.resp is not None:
+            self.resp._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True

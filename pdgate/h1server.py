@@ -5,7 +5,8 @@ whole budget pdgate has for a PD request. This one keeps what a gateway needs: k
 and pipelining (requests on a connection are answered in order), ``Expect: 100-continue``,
 a body-size limit checked on ``Content-Length`` before the body is read, a header-size
 limit, chunked streaming with back-pressure (``await stream.write()`` waits while the
-client's socket buffer is full), TCP_NODELAY, idle-connection reaping, and the handler
+client's socket buffer is full; ``send()`` + ``on_writable`` for callers that cannot wait),
+TCP_NODELAY, idle-connection reaping, and the handler
 task cancelled when the client goes away, as aiohttp does with ``handler_cancellation``.
 Routing is a dict of exact paths plus ``/prefix/{id}[/suffix]`` patterns.
 """
@@ -67,11 +68,9 @@ class Request:
             self._query = dict(parse_qsl(self.query_string, keep_blank_values=True))
         return self._query
 
-    async def stream(self, status: int, headers: dict[str, str]) -> Stream:
-        """Send the status line and headers now; the body follows in ``write()`` calls."""
-        s = Stream(self, status, headers)
-        await s.drain()
-        return s
+    def open_stream(self, status: int, headers: dict[str, str]) -> Stream:
+        """Send the status line and headers now; the body follows in ``write()`` or ``send()`` calls."""
+        return Stream(self, status, headers)
 
 
 class Response:
@@ -105,10 +104,23 @@ class Stream:
         extra = b"Transfer-Encoding: chunked\r\n" if self.chunked else b""
         self.proto.write(head(status, headers, extra, req.keep_alive))
 
+    def send(self, data: bytes) -> None:
+        """Write without waiting; the caller checks ``blocked`` (and ``on_writable``) for back-pressure."""
+        if self.proto.closed:
+            raise ClientGone("client closed the connection")
+        if data:
+            self.proto.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+
+    @property
+    def blocked(self) -> bool:
+        return self.proto.paused
+
+    def on_writable(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the client's socket takes data again."""
+        self.proto.on_writable = callback
+
     async def write(self, data: bytes) -> None:
-        if not data:
-            return
-        self.proto.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        self.send(data)
         await self.drain()
 
     async def drain(self) -> None:
@@ -223,6 +235,7 @@ class HttpProtocol(asyncio.Protocol):
         self.closed = False
         self.paused = False
         self.writable: asyncio.Future[None] | None = None
+        self.on_writable: Callable[[], None] | None = None
         self.task: asyncio.Task[None] | None = None
         self.queue: deque[Request] = deque()
         self.last_active = time.monotonic()
@@ -272,6 +285,9 @@ class HttpProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.paused = False
+        if self.on_writable is not None:
+            cb, self.on_writable = self.on_writable, None
+            cb()
         if self.writable is not None and not self.writable.done():
             self.writable.set_result(None)
 

@@ -89,9 +89,9 @@ class Ctx:
         self.watchdog: Watchdog | None = None
         self.merge_logprobs = route == validation.GENERATE and bool(body.get("return_logprob"))
 
-    async def start_stream(self) -> Stream:
+    def start_stream(self) -> Stream:
         self.rec.bytes_sent = True
-        self.resp = await self.request.stream(200, {**SSE_HEADERS, "x-request-id": self.rec.id})
+        self.resp = self.request.open_stream(200, {**SSE_HEADERS, "x-request-id": self.rec.id})
         return self.resp
 
     def first_token(self, now: float) -> None:
@@ -391,31 +391,49 @@ async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes) -> bytes
 
 
 async def relay_stream(ctx: Ctx, att: Attempt, w: Worker, resp: UpstreamResponse) -> None:
-    """Relay decode's SSE bytes as they come, without re-encoding; count events as tokens."""
-    gw, rec = ctx.gw, ctx.rec
-    done = False
-    out = ctx.resp
-    async for chunk in resp.chunks():
-        now = gw.now()
+    """Relay decode's SSE bytes as they come, without re-encoding; count events as tokens.
+
+    The relay runs inside the upstream connection's ``data_received`` (``resp.pipe``): one
+    client write per upstream read and no task switch per token. When the client's socket is
+    full, reading from the decode pauses until it drains."""
+    relay = Relay(ctx, att, w, resp)
+    await resp.pipe(relay.feed)
+    att.event(ctx.gw.now(), "decode_done", ctx.rec.chunks)
+    if not relay.done:
+        raise UpstreamError(f"decode worker {w.id} closed the stream before [DONE]", role="decode", worker=w.id)
+
+
+class Relay:
+    __slots__ = ("att", "ctx", "done", "resp", "w")
+
+    def __init__(self, ctx: Ctx, att: Attempt, w: Worker, resp: UpstreamResponse) -> None:
+        self.ctx, self.att, self.w, self.resp = ctx, att, w, resp
+        self.done = False
+
+    def feed(self, chunk: bytes) -> None:
+        ctx, w = self.ctx, self.w
+        rec = ctx.rec
+        now = ctx.gw.now()
+        out = ctx.resp
         if out is None:
             if chunk.startswith(ERROR_EVENT):  # failed before anything reached the client: retryable
                 detail = _detail(chunk[6:].split(b"\n\n", 1)[0])
                 raise UpstreamStatus(f"decode worker {w.id} failed: {detail}", role="decode", worker=w.id,
                                      upstream_status=500)
-            att.event(now, "first_token")
+            self.att.event(now, "first_token")
             ctx.first_token(now)
-            out = await ctx.start_stream()
+            out = ctx.start_stream()
         elif ERROR_EVENT in chunk:
             ctx.stream_error = "decode reported an error mid-stream"
         rec.chunks += chunk.count(b"\n\n")
         rec.last_token_at = now
         w.last_progress = now
         w.degraded = False
-        await out.write(chunk)
-        done = chunk.endswith(DONE)
-    att.event(gw.now(), "decode_done", rec.chunks)
-    if not done:
-        raise UpstreamError(f"decode worker {w.id} closed the stream before [DONE]", role="decode", worker=w.id)
+        out.send(chunk)
+        self.done = chunk.endswith(DONE)
+        if out.blocked:  # back-pressure: stop reading the decode until the client takes more
+            self.resp.pause()
+            out.on_writable(self.resp.resume)
 
 
 def _detail(body: bytes) -> Any:
