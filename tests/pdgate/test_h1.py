@@ -1,0 +1,273 @@
+"""The lean HTTP/1.1 layer on real loopback sockets: the front server and the engine-leg client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import orjson
+import pytest
+
+from pdgate.h1client import Client, ConnectFailed, UpstreamClosed
+from pdgate.h1server import Request, Response, Router, Server, Stream
+from tests.procs import free_port
+
+MAX_BODY = 1000
+
+
+class Front:
+    """A front server with a few test routes; records what its handlers saw."""
+
+    def __init__(self) -> None:
+        self.router = Router()
+        self.cancelled = asyncio.Event()
+        self.written = 0
+        self.router.add("GET", "/fast", self.fast)
+        self.router.add("GET", "/slow", self.slow)
+        self.router.add("POST", "/echo", self.echo)
+        self.router.add("GET", "/hang", self.hang)
+        self.router.add("GET", "/sse", self.sse)
+        self.router.add("GET", "/flood", self.flood)
+        self.router.add("GET", "/items/{id}", self.item)
+        self.server = Server(self.dispatch, MAX_BODY)
+        self.port = free_port()
+
+    async def dispatch(self, req: Request) -> Response | Stream:
+        return await self.router.resolve(req)(req)
+
+    async def fast(self, req: Request) -> Response:
+        return Response(b"fast", content_type="text/plain")
+
+    async def slow(self, req: Request) -> Response:
+        await asyncio.sleep(0.2)
+        return Response(b"slow", content_type="text/plain")
+
+    async def echo(self, req: Request) -> Response:
+        return Response(req.body, content_type="application/octet-stream")
+
+    async def item(self, req: Request) -> Response:
+        return Response(orjson.dumps({"id": req.match["id"], "q": req.query}))
+
+    async def hang(self, req: Request) -> Response:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        return Response()
+
+    async def sse(self, req: Request) -> Stream:
+        s = req.open_stream(200, {"Content-Type": "text/event-stream"})
+        for i in range(3):
+            await s.write(b"data: %d\n\n" % i)
+        return s
+
+    async def flood(self, req: Request) -> Stream:
+        """32 MiB to a client that reads nothing; with ``?wait=0`` the writer ignores back-pressure."""
+        s = req.open_stream(200, {"Content-Type": "application/octet-stream"})
+        chunk = b"x" * (1 << 20)
+        for _ in range(32):
+            if req.query.get("wait") == "0":
+                s.send(chunk)
+            else:
+                await s.write(chunk)
+            self.written += len(chunk)
+            await asyncio.sleep(0)
+        return s
+
+
+@pytest.fixture
+async def front() -> AsyncIterator[Front]:
+    f = Front()
+    await f.server.start("127.0.0.1", f.port)
+    try:
+        yield f
+    finally:
+        await f.server.close()
+
+
+async def exchange(port: int, raw: bytes, read_for: float = 1.0) -> bytes:
+    """Send raw bytes, read until the server closes or ``read_for`` seconds pass."""
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(raw)
+    out = b""
+    try:
+        async with asyncio.timeout(read_for):
+            while chunk := await r.read(65536):
+                out += chunk
+    except TimeoutError:
+        pass
+    w.close()
+    return out
+
+
+def error_code(resp: bytes) -> tuple[int, str]:
+    head, _, body = resp.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), orjson.loads(body)["error"]["code"]
+
+
+async def test_pipelined_requests_are_answered_in_order(front: Front) -> None:
+    out = await exchange(front.port, b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET /fast HTTP/1.1\r\nHost: x\r\n\r\n", 1.0)
+    assert out.count(b"HTTP/1.1 200 OK") == 2
+    assert out.index(b"slow") < out.index(b"fast")
+
+
+@pytest.mark.parametrize(("raw", "status", "code"), [
+    (b"NOT HTTP AT ALL\r\n\r\n", 400, "bad_request"),
+    (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + b"a" * 5000, 413, "payload_too_large"),
+    (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n7d0\r\n" + b"a" * 2000 + b"\r\n0\r\n\r\n",
+     413, "payload_too_large"),
+    (b"GET /fast HTTP/1.1\r\nHost: x\r\nX-Big: " + b"b" * 70000 + b"\r\n\r\n", 431, "headers_too_large"),
+    (b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n", 404, "not_found"),
+    (b"DELETE /fast HTTP/1.1\r\nHost: x\r\n\r\n", 405, "method_not_allowed"),
+])
+async def test_bad_requests_get_openai_errors(front: Front, raw: bytes, status: int, code: str) -> None:
+    assert error_code(await exchange(front.port, raw)) == (status, code)
+
+
+async def test_upgrade_is_answered_as_plain_http_then_closed(front: Front) -> None:
+    out = await exchange(front.port, b"GET /fast HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n"
+                                     b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert out.count(b"HTTP/1.1 200 OK") == 1 and b"Connection: close" in out and out.endswith(b"fast")
+
+
+async def test_expect_continue_and_chunked_body(front: Front) -> None:
+    out = await exchange(front.port, b"POST /echo HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 5\r\n"
+                                     b"Connection: close\r\n\r\nhello")
+    assert out.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK") and out.endswith(b"hello")
+    out = await exchange(front.port, b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                                     b"Connection: close\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+    assert out.endswith(b"\r\n\r\nabcde")
+
+
+async def test_path_params_and_query(front: Front) -> None:
+    out = await exchange(front.port, b"GET /items/r-1?phase=decode&x= HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert orjson.loads(out.partition(b"\r\n\r\n")[2]) == {"id": "r-1", "q": {"phase": "decode", "x": ""}}
+
+
+async def test_streams_are_chunked_and_unchunked_for_http10(front: Front) -> None:
+    out = await exchange(front.port, b"GET /sse HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert b"Transfer-Encoding: chunked" in out and out.endswith(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n")
+    out = await exchange(front.port, b"GET /sse HTTP/1.0\r\n\r\n")
+    assert b"Transfer-Encoding" not in out and b"Connection: close" in out
+    assert out.endswith(b"\r\n\r\ndata: 0\n\ndata: 1\n\ndata: 2\n\n")
+
+
+async def test_client_leaving_cancels_its_handler(front: Front) -> None:
+    _, w = await asyncio.open_connection("127.0.0.1", front.port)
+    w.write(b"GET /hang HTTP/1.1\r\nHost: x\r\n\r\n")
+    await asyncio.sleep(0.2)
+    assert not front.cancelled.is_set()
+    w.close()
+    await asyncio.wait_for(front.cancelled.wait(), 2)
+    await asyncio.sleep(0.05)
+    assert not front.server.conns
+
+
+@pytest.mark.parametrize("wait", [True, False])
+async def test_stream_writes_wait_for_a_slow_client(front: Front, wait: bool) -> None:
+    """Back-pressure: to a client that reads nothing, ``await write()`` stops after the socket buffers fill;
+    without waiting (``send()`` ignoring ``blocked``) all 32 MiB pile up in the gateway's memory."""
+    _, w = await asyncio.open_connection("127.0.0.1", front.port)
+    w.write(b"GET /flood?wait=%d HTTP/1.1\r\nHost: x\r\n\r\n" % int(wait))
+    await asyncio.sleep(1.0)
+    buffered = max(c.transport.get_write_buffer_size() for c in front.server.conns if c.transport is not None)
+    if wait:
+        assert front.written <= 16 << 20 and buffered <= 4 << 20
+    else:
+        assert front.written == 32 << 20 and buffered >= 16 << 20
+    w.close()
+
+
+# ---- client ---------------------------------------------------------------------------------------
+class Engine:
+    """A raw HTTP responder: counts connections, answers each request with ``script``'s bytes."""
+
+    def __init__(self, script: bytes) -> None:
+        self.script = script
+        self.connections = 0
+        self.writers: list[asyncio.StreamWriter] = []
+        self.port = free_port()
+
+    async def __aenter__(self) -> Engine:
+        self.srv = await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for w in self.writers:
+            w.close()
+        self.srv.close()
+        await self.srv.wait_closed()
+        await asyncio.sleep(0)
+
+    async def start(self) -> asyncio.Server:
+        async def on_conn(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            self.connections += 1
+            self.writers.append(w)
+            try:
+                while await r.readuntil(b"\r\n\r\n"):
+                    w.write(self.script)
+                    if not self.script.endswith(b"\r\n0\r\n\r\n") and b"Content-Length" not in self.script:
+                        w.close()  # a truncated answer: close mid-body
+                        return
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+
+        return await asyncio.start_server(on_conn, "127.0.0.1", self.port)
+
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+async def test_client_reuses_connections_and_replaces_closed_ones() -> None:
+    client = Client(connect_timeout_s=1.0)
+    async with Engine(OK) as eng:
+        base = f"http://127.0.0.1:{eng.port}"
+        try:
+            for _ in range(3):
+                async with client.send(base, "POST", "/x", b"{}") as r:
+                    assert r.status == 200 and await r.read() == b"ok"
+            assert eng.connections == 1
+            for w in eng.writers:  # the engine drops its idle keep-alive connection
+                w.close()
+            await asyncio.sleep(0.1)
+            async with client.send(base, "GET", "/y") as r:
+                assert await r.read() == b"ok"
+            assert eng.connections == 2
+        finally:
+            client.close()
+
+
+async def test_client_pipes_a_chunked_stream() -> None:
+    client = Client(connect_timeout_s=1.0)
+    got: list[bytes] = []
+    async with Engine(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n3\r\ndef\r\n0\r\n\r\n") as eng:
+        try:
+            async with client.send(f"http://127.0.0.1:{eng.port}", "POST", "/s", b"{}") as r:
+                await r.pipe(got.append)
+            assert b"".join(got) == b"abcdef"
+        finally:
+            client.close()
+
+
+@pytest.mark.parametrize("script", [
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n",  # closed mid-stream
+    b"garbage that is not HTTP\r\n\r\n",
+])
+async def test_client_reports_broken_answers(script: bytes) -> None:
+    client = Client(connect_timeout_s=1.0)
+    async with Engine(script) as eng:
+        try:
+            with pytest.raises(UpstreamClosed):
+                async with client.send(f"http://127.0.0.1:{eng.port}", "POST", "/s", b"{}") as r:
+                    await r.read()
+            assert not client.pools[f"http://127.0.0.1:{eng.port}"][0].idle, "a broken connection is never reused"
+        finally:
+            client.close()
+
+
+async def test_client_connect_failure() -> None:
+    client = Client(connect_timeout_s=1.0)
+    with pytest.raises(ConnectFailed):
+        await client.request(f"http://127.0.0.1:{free_port()}", "GET", "/")
+    client.close()
