@@ -92,6 +92,7 @@ class GatewayConfig:
     connect_timeout_s: float = 2.0
     abort_timeout_s: float = 2.0
     abort_repeat_s: tuple[float, ...] = (0.25, 1.0)  # re-abort a leg that had not answered yet, after these delays
+    drain_s: float = 10.0  # on SIGTERM: stop accepting, let live requests finish this long, then abort the rest
     instance_id: str | None = None
     # Safety switch for demonstrations and tests: with false the gateway never calls
     # /abort_request (like today's routers) and leaves cleanup to the engines.
@@ -125,6 +126,7 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
         _positive(f"gateway.{key}", getattr(cfg, key), integer=True)
     for key in ("prefill_grace_s", "connect_timeout_s", "abort_timeout_s"):
         _positive(f"gateway.{key}", getattr(cfg, key))
+    _positive("gateway.drain_s", cfg.drain_s, allow_zero=True)
     if not isinstance(cfg.abort_repeat_s, tuple) or len(cfg.abort_repeat_s) > 5:
         raise ConfigError("gateway.abort_repeat_s", cfg.abort_repeat_s, "must be a list of at most 5 delays")
     for delay in cfg.abort_repeat_s:

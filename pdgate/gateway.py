@@ -1,4 +1,4 @@
-"""The gateway's shared state, owned by the aiohttp app (started and stopped with it)."""
+"""The gateway's shared state, owned by ``server.App`` (started and stopped with it)."""
 
 from __future__ import annotations
 

@@ -30,6 +30,7 @@ import orjson
 log = logging.getLogger("pdgate.http")
 
 MAX_HEADER_BYTES = 64 * 1024
+MAX_PIPELINED = 32  # requests queued behind the one being answered; beyond this the connection is not read
 REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 REASONS[499] = b"Client Closed Request"
 
@@ -197,6 +198,7 @@ class Server:
         self.conns: set[HttpProtocol] = set()
         self.server: asyncio.AbstractServer | None = None
         self.reaper: asyncio.Task[None] | None = None
+        self.draining = False
 
     async def start(self, host: str, port: int, backlog: int = 1024) -> None:
         loop = asyncio.get_running_loop()
@@ -212,11 +214,19 @@ class Server:
             for c in [c for c in self.conns if c.task is None and c.last_active < cutoff]:
                 c.close()
 
-    async def close(self) -> None:
+    async def close(self, drain_s: float = 0.0) -> None:
+        """Stop listening; give requests in flight ``drain_s`` to finish (their connections then close);
+        then close every connection, which cancels the handlers still running."""
         if self.reaper is not None:
             self.reaper.cancel()
         if self.server is not None:
             self.server.close()
+        self.draining = True
+        for c in [c for c in self.conns if c.task is None]:
+            c.close()
+        busy = [c.task for c in self.conns if c.task is not None]
+        if busy and drain_s > 0:
+            await asyncio.wait(busy, timeout=drain_s)
         tasks = [c.task for c in self.conns if c.task is not None]
         for c in list(self.conns):
             c.close()
@@ -240,6 +250,7 @@ class HttpProtocol(asyncio.Protocol):
         self.queue: deque[Request] = deque()
         self.last_active = time.monotonic()
         self.close_after = False
+        self.reading_paused = False
         # the request being parsed
         self.url = b""
         self.hdrs: dict[str, str] = {}
@@ -349,6 +360,9 @@ class HttpProtocol(asyncio.Protocol):
             self.task = self.loop.create_task(self.handle(req))
         else:
             self.queue.append(req)  # pipelined: answered in order
+            if len(self.queue) >= MAX_PIPELINED and self.transport is not None and not self.reading_paused:
+                self.reading_paused = True
+                self.transport.pause_reading()
         if req.too_large:
             self.close_after = True  # the rest of this body is still on the wire: nothing after it can be parsed
 
@@ -391,7 +405,7 @@ class HttpProtocol(asyncio.Protocol):
             except Exception:  # a bug: the client still gets an answer, and the connection survives it
                 log.exception("unhandled error in %s %s", req.method, req.path)
                 resp = Response(error_body(500, "internal error", "internal_error", "server_error"), 500)
-            keep = req.keep_alive and not self.close_after
+            keep = req.keep_alive and not self.close_after and not self.server.draining
             if isinstance(resp, Stream):
                 resp.end()
                 keep = keep and req.keep_alive
@@ -407,3 +421,6 @@ class HttpProtocol(asyncio.Protocol):
                 self.task = None
                 return
             req = self.queue.popleft()
+            if self.reading_paused and self.transport is not None:
+                self.reading_paused = False
+                self.transport.resume_reading()

@@ -7,6 +7,7 @@ import functools
 from typing import Any, Protocol
 
 import orjson
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdgate import health, proxy, reconcile, traces, validation
 from pdgate.config import ConfigError, GatewayConfig, WorkerSpec, parse_prefill_flag, validate_worker
@@ -49,7 +50,7 @@ async def lease(app: App, request: Request) -> Response:
 
 
 async def metrics(app: App, request: Request) -> Response:
-    return Response(app.gw.metrics.render(), content_type="text/plain; charset=utf-8")
+    return Response(app.gw.metrics.render(), content_type=CONTENT_TYPE_LATEST)
 
 
 # ---- admin: workers ------------------------------------------------------------------------------
@@ -237,7 +238,7 @@ class App:
         await self.server.start(host, port)
 
     async def cleanup(self) -> None:
-        await self.server.close()
+        await self.server.close(self.cfg.drain_s)
         if self.rec_task is not None:
             self.rec_task.cancel()
         for t in self.health_tasks.values():

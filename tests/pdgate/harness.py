@@ -28,6 +28,7 @@ class Running:
 
 def make_config(prefills: Iterable[Sim], decodes: Iterable[Sim], **kw: Any) -> GatewayConfig:
     health = kw.pop("health", HealthConfig(interval_s=0.5, timeout_s=0.5, failures=2, degraded_after_s=30))
+    kw.setdefault("drain_s", 0.5)  # teardown of a test gateway does not wait for requests a test left running
     return validate(GatewayConfig(
         port=free_port(),
         prefill=tuple(WorkerSpec(url=p.url, role="prefill", bootstrap_port=p.bootstrap_port) for p in prefills),

@@ -112,6 +112,24 @@ async def test_pipelined_requests_are_answered_in_order(front: Front) -> None:
     assert out.index(b"slow") < out.index(b"fast")
 
 
+async def test_a_pipelining_flood_is_read_no_faster_than_answered(front: Front) -> None:
+    r, w = await asyncio.open_connection("127.0.0.1", front.port)
+    n = 20000  # 700 KB of requests; the gateway reads at most one socket read (256 KB) past the limit
+    w.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" + b"GET /fast HTTP/1.1\r\nHost: x\r\n\r\n" * n)
+    await asyncio.sleep(0.1)
+    (conn,) = front.server.conns
+    assert conn.reading_paused and len(conn.queue) < n // 2, "the rest waits in the socket, not in the gateway's memory"
+    seen, tail = 0, b""
+    try:
+        async with asyncio.timeout(20):
+            while seen < n + 1:
+                data = tail + await r.read(1 << 16)
+                seen += data.count(b"HTTP/1.1 200 OK")
+                tail = data[-14:]  # shorter than the marker: never counted twice
+    finally:
+        w.close()
+
+
 @pytest.mark.parametrize(("raw", "status", "code"), [
     (b"NOT HTTP AT ALL\r\n\r\n", 400, "bad_request"),
     (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + b"a" * 5000, 413, "payload_too_large"),
