@@ -49,7 +49,7 @@ def error_body(status: int, message: str, code: str, type_: str) -> bytes:
 
 class Request:
     __slots__ = ("_query", "body", "headers", "keep_alive", "match", "method", "path", "proto", "query_string",
-                 "too_large", "version")
+                 "streaming", "too_large", "version")
 
     def __init__(self, proto: HttpProtocol, method: str, path: str, query_string: str, headers: dict[str, str],
                  version: str) -> None:
@@ -61,6 +61,7 @@ class Request:
         self.match: dict[str, str] = {}
         self.keep_alive = True
         self.too_large = False
+        self.streaming = False
         self._query: dict[str, str] | None = None
 
     @property
@@ -71,6 +72,7 @@ class Request:
 
     def open_stream(self, status: int, headers: dict[str, str]) -> Stream:
         """Send the status line and headers now; the body follows in ``write()`` or ``send()`` calls."""
+        self.streaming = True
         return Stream(self, status, headers)
 
 
@@ -402,8 +404,12 @@ class HttpProtocol(asyncio.Protocol):
                 self.task = None
                 self.close()
                 return
-            except Exception:  # a bug: the client still gets an answer, and the connection survives it
+            except Exception:  # a bug: the client still gets an answer (or, mid-stream, a closed connection)
                 log.exception("unhandled error in %s %s", req.method, req.path)
+                if req.streaming:
+                    self.task = None
+                    self.close()
+                    return
                 resp = Response(error_body(500, "internal error", "internal_error", "server_error"), 500)
             keep = req.keep_alive and not self.close_after and not self.server.draining
             if isinstance(resp, Stream):

@@ -29,6 +29,8 @@ class Front:
         self.router.add("GET", "/sse", self.sse)
         self.router.add("GET", "/flood", self.flood)
         self.router.add("GET", "/items/{id}", self.item)
+        self.router.add("GET", "/boom", self.boom)
+        self.router.add("GET", "/boom-stream", self.boom_stream)
         self.server = Server(self.dispatch, MAX_BODY)
         self.port = free_port()
 
@@ -47,6 +49,14 @@ class Front:
 
     async def item(self, req: Request) -> Response:
         return Response(orjson.dumps({"id": req.match["id"], "q": req.query}))
+
+    async def boom(self, req: Request) -> Response:
+        raise RuntimeError("a bug")
+
+    async def boom_stream(self, req: Request) -> Stream:
+        s = req.open_stream(200, {"Content-Type": "text/event-stream"})
+        await s.write(b"data: 0\n\n")
+        raise RuntimeError("a bug mid-stream")
 
     async def hang(self, req: Request) -> Response:
         try:
@@ -141,6 +151,14 @@ async def test_a_pipelining_flood_is_read_no_faster_than_answered(front: Front) 
 ])
 async def test_bad_requests_get_openai_errors(front: Front, raw: bytes, status: int, code: str) -> None:
     assert error_code(await exchange(front.port, raw)) == (status, code)
+
+
+async def test_a_handler_bug_is_a_500_or_a_cut_stream(front: Front, caplog: pytest.LogCaptureFixture) -> None:
+    out = await exchange(front.port, b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\nGET /fast HTTP/1.1\r\nHost: x\r\n\r\n", 0.5)
+    assert error_code(out.split(b"HTTP/1.1 200")[0]) == (500, "internal_error") and out.endswith(b"fast")
+    out = await exchange(front.port, b"GET /boom-stream HTTP/1.1\r\nHost: x\r\n\r\n", 2.0)
+    assert out.endswith(b"data: 0\n\n\r\n"), "no terminating chunk: the client sees the stream cut, not completed"
+    assert "a bug mid-stream" in caplog.text
 
 
 async def test_upgrade_is_answered_as_plain_http_then_closed(front: Front) -> None:
