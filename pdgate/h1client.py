@@ -195,18 +195,29 @@ class Connection(asyncio.Protocol):
         if self.resp is not None:
             self.resp._finish(exc)
 
-    async def request(self, head: bytes, body: bytes) -> Response:
+    def _send(self, head: bytes, body: bytes) -> Response:
         assert self.transport is not None
         resp = self.resp = Response(self)
-        self._headers_waiter = self.loop.create_future()
         self.transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             self.transport.write(body)
+        return resp
+
+    async def request(self, head: bytes, body: bytes) -> Response:
+        """Returns once the status line and headers are in."""
+        self._headers_waiter = self.loop.create_future()
+        resp = self._send(head, body)
         try:
             await self._headers_waiter
         finally:
             self._headers_waiter = None
         return resp
+
+    async def fetch(self, head: bytes, body: bytes) -> tuple[int, bytes]:
+        """The whole answer, waited for once (a small answer comes in one read: one wake-up)."""
+        resp = self._send(head, body)
+        data = await resp.read()
+        return resp.status, data
 
     def pause(self) -> None:
         if not self.paused and self.transport is not None:
@@ -303,18 +314,35 @@ class Client:
         """Send one request to ``base`` (``http://host:port``); returns once the status line and headers are in.
 
         The caller must ``release()`` the response (``send`` does it for you)."""
-        pool, host = self._pool(base)
-        head = b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n" % (
-            method.encode(), target.encode(), host, len(body))
-        if body:
-            head += b"Content-Type: " + content_type + b"\r\n"
-        head += b"\r\n"
+        pool, head = self._head(base, method, target, body, content_type)
         conn = await pool.acquire()
         try:
             return await conn.request(head, body)
         except BaseException:
             conn.close()
             raise
+
+    async def fetch(self, base: str, method: str, target: str, body: bytes = b"",
+                    content_type: bytes = b"application/json") -> tuple[int, bytes]:
+        """Send one request and read the whole answer: (status, body). The connection goes back to the pool."""
+        pool, head = self._head(base, method, target, body, content_type)
+        conn = await pool.acquire()
+        try:
+            status, data = await conn.fetch(head, body)
+        except BaseException:
+            conn.close()
+            raise
+        if conn.resp is not None:
+            conn.resp.release()
+        return status, data
+
+    def _head(self, base: str, method: str, target: str, body: bytes, content_type: bytes) -> tuple[Pool, bytes]:
+        pool, host = self._pool(base)
+        head = b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n" % (
+            method.encode(), target.encode(), host, len(body))
+        if body:
+            head += b"Content-Type: " + content_type + b"\r\n"
+        return pool, head + b"\r\n"
 
     def send(self, base: str, method: str, target: str, body: bytes = b"") -> Exchange:
         """``async with client.send(...) as resp:``: the response, released on exit."""

@@ -76,7 +76,7 @@ class Bind:
 
 
 class Ctx:
-    __slots__ = ("body", "gw", "merge_logprobs", "rec", "request", "resp", "route", "stream_error", "watchdog")
+    __slots__ = ("body", "gw", "merge_logprobs", "rec", "request", "resp", "route", "stream_error")
 
     def __init__(self, gw: Gateway, request: Request, rec: Record, route: str, body: dict[str, Any]) -> None:
         self.gw = gw
@@ -86,7 +86,6 @@ class Ctx:
         self.body = body
         self.resp: Stream | None = None
         self.stream_error: str | None = None
-        self.watchdog: Watchdog | None = None
         self.merge_logprobs = route == validation.GENERATE and bool(body.get("return_logprob"))
 
     def start_stream(self) -> Stream:
@@ -100,14 +99,15 @@ class Ctx:
             rec.attempts[-1].first_token = True
         if rec.first_token_at is None:
             rec.first_token_at = now
-            if self.watchdog is not None:  # the idle budget may end before the TTFT one would have
-                self.watchdog.rearm()
         if rec.phase in (Phase.PREFILL, Phase.TRANSFER):
             self.gw.move(rec, Phase.DECODE)
 
 
 class Watchdog:
-    """Cancels the handler task when the request's next deadline passes (lazy re-arming)."""
+    """Cancels the handler task when the request's next deadline passes.
+
+    One timer per request, armed at the earliest time any budget could run out and moved
+    later, lazily, when it fires early; so tokens never touch the timer."""
 
     def __init__(self, gw: Gateway, rec: Record, task: asyncio.Task[Any]) -> None:
         self.gw, self.rec, self.task = gw, rec, task
@@ -117,14 +117,7 @@ class Watchdog:
         self.offset = self.loop.time() - gw.now()  # record clock -> loop clock
 
     def arm(self) -> None:
-        _, when = self.rec.deadlines.due(self.rec.first_token_at, self.rec.last_token_at)
-        self.handle = self.loop.call_at(when + self.offset, self._fire)
-
-    def rearm(self) -> None:
-        """Deadlines only move later as tokens arrive, except at the first token (TTFT -> idle)."""
-        if self.expired is None:
-            self.disarm()
-            self.arm()
+        self.handle = self.loop.call_at(self.rec.deadlines.earliest(self.rec.created) + self.offset, self._fire)
 
     def _fire(self) -> None:
         kind, when = self.rec.deadlines.due(self.rec.first_token_at, self.rec.last_token_at)
@@ -168,7 +161,7 @@ async def serve(ctx: Ctx) -> Response | Stream:
     task = asyncio.current_task()
     assert task is not None
     gw.tasks[rec.id] = task
-    wd = ctx.watchdog = Watchdog(gw, rec, task)
+    wd = Watchdog(gw, rec, task)
     wd.arm()
     try:
         body = await dispatch(ctx)
@@ -332,9 +325,7 @@ async def prefill_tail(gw: Gateway, att: Attempt, pw: Worker, p_task: asyncio.Ta
 async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: Bind) -> bytes:
     gw = ctx.gw
     try:
-        async with gw.up().post(w.url, ctx.route, payload) as resp:
-            body: bytes = await resp.read()
-            status: int = resp.status
+        status, body = await gw.up().post_read(w.url, ctx.route, payload)
     except asyncio.CancelledError:
         raise
     except Exception as exc:
@@ -359,26 +350,22 @@ async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: B
 
 async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes) -> bytes:
     gw, rec = ctx.gw, ctx.rec
-    body: bytes
     try:
+        if not rec.stream:
+            status, body = await gw.up().post_read(w.url, ctx.route, payload)
+            now = gw.now()
+            att.event(now, "decode_headers", status)
+            if status != 200:
+                raise decode_status(w, status, body, now)
+            att.event(now, "decode_done")
+            ctx.first_token(now)
+            w.progress(now)
+            w.breaker.success()
+            return body
         async with gw.up().post(w.url, ctx.route, payload) as resp:
             att.event(gw.now(), "decode_headers", resp.status)
             if resp.status != 200:
-                failed: bytes = await resp.read()
-                body = failed
-                err = UpstreamStatus(f"decode worker {w.id} answered {resp.status}: {_detail(body)}", role="decode",
-                                     worker=w.id, upstream_status=resp.status, detail=_detail(body))
-                if err.retryable:
-                    w.breaker.failure(gw.now())
-                raise err
-            if not rec.stream:
-                body = await resp.read()
-                now = gw.now()
-                att.event(now, "decode_done")
-                ctx.first_token(now)
-                w.progress(now)
-                w.breaker.success()
-                return body
+                raise decode_status(w, resp.status, await resp.read(), gw.now())
             await relay_stream(ctx, att, w, resp)
             w.breaker.success()
             return b""
@@ -388,6 +375,14 @@ async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes) -> bytes
         w.breaker.failure(gw.now())
         gw.kick(w)
         raise wrap(exc, "decode", w.id) from None
+
+
+def decode_status(w: Worker, status: int, body: bytes, now: float) -> UpstreamStatus:
+    err = UpstreamStatus(f"decode worker {w.id} answered {status}: {_detail(body)}", role="decode", worker=w.id,
+                         upstream_status=status, detail=_detail(body))
+    if err.retryable:
+        w.breaker.failure(now)
+    return err
 
 
 async def relay_stream(ctx: Ctx, att: Attempt, w: Worker, resp: UpstreamResponse) -> None:

@@ -83,6 +83,10 @@ class Deadlines:
         idle_at = (last_token_at or first_token_at) + self.idle_s
         return ("idle", idle_at) if idle_at < self.total_at else ("total", self.total_at)
 
+    def earliest(self, created: float) -> float:
+        """No budget of a request admitted at ``created`` can run out before this (idle counts from a token)."""
+        return min(self.ttft_at, self.total_at, created + self.idle_s)
+
 
 @dataclass(slots=True)
 class Record:

@@ -30,21 +30,23 @@ class Upstream:
         self.client.close()
 
     def post(self, base: str, path: str, data: bytes) -> Exchange:
-        """Start a POST; the caller uses it as an async context manager."""
+        """Start a POST; the caller uses it as an async context manager (for streamed answers)."""
         return self.client.send(base, "POST", path, data)
+
+    async def post_read(self, base: str, path: str, data: bytes) -> tuple[int, bytes]:
+        """POST and read the whole answer."""
+        return await self.client.fetch(base, "POST", path, data)
 
     async def abort(self, base_url: str, rid: str) -> int:
         """POST /abort_request (prefix match on the engine; always 200 there)."""
         async with asyncio.timeout(self.abort_timeout_s):
-            async with self.client.send(base_url, "POST", protocol.ABORT_PATH, orjson.dumps({"rid": rid})) as r:
-                await r.read()
-                return r.status
+            status, _ = await self.client.fetch(base_url, "POST", protocol.ABORT_PATH, orjson.dumps({"rid": rid}))
+            return status
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
         base, target = split_url(url)
         async with asyncio.timeout(timeout_s):
-            async with self.client.send(base, "GET", target) as r:
-                return r.status, await r.read()
+            return await self.client.fetch(base, "GET", target)
 
     async def get_json(self, url: str, timeout_s: float) -> tuple[int, Any]:
         status, raw = await self.get(url, timeout_s)

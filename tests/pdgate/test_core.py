@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,17 @@ def test_deadline_due_moves_from_ttft_to_idle_to_total() -> None:
     assert r.deadlines.due(101.0, 109.0) == ("total", 110.0)
     long_ttft = rec(total=5, ttft=30)
     assert long_ttft.deadlines.due(None, None) == ("total", 105.0)
+
+
+def test_the_watchdog_timer_never_fires_after_a_deadline() -> None:
+    """The watchdog arms once, at ``earliest``; that must not be later than any deadline a request can reach."""
+    rng = random.Random(7)
+    for _ in range(2000):
+        total, ttft, idle = (rng.choice([0.1, 1, 2, 5, 60, 600]) for _ in range(3))
+        r = rec(total=total, ttft=ttft, idle=idle)
+        first = None if rng.random() < 0.3 else 100 + rng.random() * 10
+        last = None if first is None or rng.random() < 0.3 else first + rng.random() * 10
+        assert r.deadlines.earliest(r.created) <= r.deadlines.due(first, last)[1]
 
 
 def test_deadline_precedence_and_caps() -> None:
