@@ -1,7 +1,8 @@
 """Active health checks, restart detection and progress-based (gray failure) detection.
 
 One task per worker, owned by the app. Each check: ``GET /health``, then ``/server_info``
-(identity, served model, fixes) and ``/v1/loads?include=disagg`` (engine queue counts).
+(identity, served model, fixes; for engine/sglang workers identity and fixes come from
+``/pdgate/v1/info``) and ``/v1/loads?include=disagg`` (engine queue counts).
 - ``failures`` consecutive failed checks -> down: its live requests are failed or retried
   at once (not left to their deadlines).
 - A new identity, or up again after down -> restarted: the same, and counted.
@@ -32,6 +33,8 @@ async def check(gw: Gateway, w: Worker) -> None:
         ok = status == 200
         if ok:
             _, info = await gw.up().get_json(w.url + protocol.SERVER_INFO_PATH, cfg.timeout_s)
+            if isinstance(info, dict) and protocol.IDENTITY_FIELD not in info and w.info_path is not False:
+                info = {**info, **await ext_info(gw, w, cfg.timeout_s)}
             _, loads = await gw.up().get_json(w.url + protocol.LOADS_PATH + "?include=disagg", cfg.timeout_s)
             w.engine = _engine_counts(loads)
         else:
@@ -44,6 +47,17 @@ async def check(gw: Gateway, w: Worker) -> None:
         on_failed_check(gw, w)
     w.checked = True
     check_progress(gw, w)
+
+
+async def ext_info(gw: Gateway, w: Worker, timeout_s: float) -> dict[str, Any]:
+    """Identity and fixes from ``/pdgate/v1/info`` (engine/sglang workers). A worker that answers
+    anything but a JSON object there is not asked again until it has been down."""
+    try:
+        status, body = await gw.up().get_json(w.url + protocol.EXT_INFO_PATH, timeout_s)
+    except OSError:  # not this check's verdict: /health and /server_info decide that
+        return {}
+    w.info_path = status == 200 and isinstance(body, dict)
+    return dict(body) if w.info_path else {}
 
 
 def _engine_counts(loads: Any) -> dict[str, Any]:
@@ -83,6 +97,7 @@ def on_failed_check(gw: Gateway, w: Worker) -> None:
     if w.health_failures >= gw.cfg.health.failures and (w.healthy or not w.checked):
         was = w.healthy
         w.healthy = False
+        w.info_path = None  # whatever comes back up may be another engine
         lost = w.lose_all(f"{w.id} down ({w.last_error})")
         gw.metrics.lost.labels(w.id).inc(lost)
         if was:

@@ -26,6 +26,8 @@ METRICS_PATH = "/metrics"
 # The pdgate engine extension (DESIGN.md, "Engine extension").
 EXT_REQUESTS_PATH = "/pdgate/v1/requests"
 EXT_FAULTS_PATH = "/pdgate/v1/faults"
+# Identity and fixes of a real SGLang worker started by engine/sglang (its /server_info is SGLang's own).
+EXT_INFO_PATH = "/pdgate/v1/info"
 # Field of /server_info that changes each time an engine process starts.
 IDENTITY_FIELD = "pdgate_identity"
 # Field of /server_info that lists the engine-side fixes in force.

@@ -77,6 +77,7 @@ class Worker:
     degraded: bool = False
     engine: dict[str, Any] = field(default_factory=dict)  # last engine-reported queue counts
     has_extension: bool | None = None
+    info_path: bool | None = None  # offers /pdgate/v1/info (None: not asked yet)
     orphans: int = 0  # engine-held rids found orphaned in the last reconcile pass (exact mode)
     drift: int = 0  # engine count above our live count (count mode)
 

@@ -16,6 +16,7 @@ import inspect
 import logging
 import os
 import sys
+import time
 from typing import Any
 
 from engine.sglang.patches import (
@@ -76,6 +77,7 @@ def apply(fixes: list[str], force: bool) -> dict[str, Any]:
         elif fix == "B":
             patch_bounded_bootstrap(target, failed)
     info = {"pdgate_fixes": sorted(found["targets"]), "sglang_version": found["version"],
+            "pdgate_identity": f"{os.getpid()}-{time.time_ns()}",  # new on every start: restarts are seen
             "kernel_profile": os.environ.get("PDGATE_KERNEL_PROFILE"), "pid": os.getpid()}
     log.warning("pdgate fixes active: %s (sglang %s, kernel profile %s)", ",".join(info["pdgate_fixes"]) or "none",
                 found["version"], info["kernel_profile"])

@@ -6,13 +6,14 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import aiohttp.web
 import pytest
 
 from pdgate.config import HealthConfig
 from tests.engine.simclient import engine_requests, set_faults
 from tests.pdgate.harness import assert_clean, worker_id
 from tests.pdgate.test_outcomes import CHAT, LONG_CHAT, STALL, gateway, post, trace
-from tests.procs import Procs
+from tests.procs import Procs, free_port
 
 
 @pytest.mark.parametrize("degraded_after_s", [1.0, 1000.0])
@@ -87,3 +88,63 @@ async def test_no_healthy_pair(procs: Procs, http: aiohttp.ClientSession, gatewa
     async with http.get(g.url + "/health") as r:
         assert r.status == 200
     await assert_clean(http, g.gw, [p])
+
+
+class PlainSGLang:
+    """A stand-in for a real SGLang worker started by engine/sglang: SGLang's own /server_info (no pdgate
+    fields), and identity and fixes at /pdgate/v1/info (or, with ``ext=False``, a 404 there)."""
+
+    def __init__(self, ext: bool) -> None:
+        self.ext = ext
+        self.identity = "100-1"
+        self.info_calls = 0
+        self.port = free_port()
+        self.bootstrap_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> aiohttp.web.AppRunner:
+        web = aiohttp.web
+
+        async def info(_: web.Request) -> web.Response:
+            self.info_calls += 1
+            if not self.ext:
+                return web.json_response({"detail": "Not Found"}, status=404)
+            return web.json_response({"pdgate_identity": self.identity, "pdgate_fixes": ["A", "B", "C"]})
+
+        def static(body: Any) -> Any:
+            async def handler(_: web.Request) -> web.Response:
+                return web.json_response(body)
+            return handler
+
+        app = web.Application()
+        app.router.add_get("/health", static({}))
+        app.router.add_get("/server_info", static({"model_path": "sim-model"}))
+        app.router.add_get("/v1/loads", static({"loads": []}))
+        app.router.add_get("/pdgate/v1/info", info)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+        return runner
+
+
+@pytest.mark.parametrize("ext", [True, False])
+async def test_sglang_worker_identity_from_the_extension(gateways: list[Any], ext: bool) -> None:
+    """A quick restart (never seen down) is caught by the identity of /pdgate/v1/info; a worker without
+    it is asked once per up period, and only down->up can reveal its restarts."""
+    p, d = PlainSGLang(ext), PlainSGLang(ext)
+    runners = [await p.start(), await d.start()]
+    try:
+        g = await gateway(gateways, [p], [d],  # type: ignore[list-item]
+                          health=HealthConfig(interval_s=0.1, timeout_s=0.5, failures=2, degraded_after_s=30))
+        await asyncio.sleep(0.5)
+        w = g.gw.pool.by_id[worker_id(g.gw, d)]  # type: ignore[arg-type]
+        assert w.fixes == (["A", "B", "C"] if ext else None)
+        assert w.identity == ("100-1" if ext else None)
+        d.identity = "200-2"  # restarted between two checks
+        await asyncio.sleep(0.5)
+        assert w.restarts == (1 if ext else 0) and w.healthy
+        if not ext:
+            assert d.info_calls == 1, "a worker without the extension is not asked on every check"
+    finally:
+        for r in runners:
+            await r.cleanup()
