@@ -1,6 +1,7 @@
 """``python -m loadtest bench``: throughput and latency of gateways; ``--compare`` runs them side by side.
 
-``--compare`` starts one prefill + one decode sim worker (``--speed 0``: free compute) once,
+``--compare`` starts one prefill + one decode sim worker (``--speed 0``: free compute; or, with
+``--workers fake``, zero-cost fake workers that answer at once) once,
 then measures, in one run and on the same workers: direct (the load generator plays the
 router and sends both legs itself), pdgate, sglang-router PD and, with ``--mini-lb``,
 sglang's Python mini load balancer. For each target and workload it reports requests/s,
@@ -54,13 +55,18 @@ class Stack:
             p.stop()
 
 
-def start_targets(stack: Stack, mini_lb: bool) -> tuple[dict[str, Any], dict[str, tuple[str, Proc | None]]]:
+def start_targets(stack: Stack, mini_lb: bool, fake: bool = False) -> tuple[dict[str, Any],
+                                                                           dict[str, tuple[str, Proc | None]]]:
     py = sys.executable
     pp, bp, dp = free_port(), free_port(), free_port()
-    pre = stack.spawn("prefill", [py, "-m", "engine.sim", "--role", "prefill", "--port", str(pp), "--bootstrap-port",
-                                  str(bp), "--speed", "0", "--log-level", "WARNING"])
-    dec = stack.spawn("decode", [py, "-m", "engine.sim", "--role", "decode", "--port", str(dp), "--speed", "0",
-                                 "--log-level", "WARNING"])
+    if fake:  # zero-cost workers: the gateways, not the workers, bound throughput
+        pre = stack.spawn("prefill", [py, "-m", "loadtest.fakeworker", "--role", "prefill", "--port", str(pp)])
+        dec = stack.spawn("decode", [py, "-m", "loadtest.fakeworker", "--role", "decode", "--port", str(dp)])
+    else:
+        pre = stack.spawn("prefill", [py, "-m", "engine.sim", "--role", "prefill", "--port", str(pp),
+                                      "--bootstrap-port", str(bp), "--speed", "0", "--log-level", "WARNING"])
+        dec = stack.spawn("decode", [py, "-m", "engine.sim", "--role", "decode", "--port", str(dp), "--speed", "0",
+                                     "--log-level", "WARNING"])
     workers = {"prefill": f"http://127.0.0.1:{pp}", "bootstrap_port": bp, "decode": f"http://127.0.0.1:{dp}"}
     wait_http(workers["prefill"] + "/health", proc=pre.popen)
     wait_http(workers["decode"] + "/health", proc=dec.popen)
@@ -109,7 +115,7 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
     stack = Stack(tmp)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     try:
-        workers, targets = start_targets(stack, a.mini_lb)
+        workers, targets = start_targets(stack, a.mini_lb, a.workers == "fake")
         runs = [(w, t, r) for r in range(a.repeats) for w in a.workloads for t in targets]
         with Progress(console=console) as bar:
             job = bar.add_task("bench", total=len(runs))
@@ -123,9 +129,11 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
     finally:
         stack.close()
     summary = summarize(results)
-    out = {"command": " ".join(sys.argv), "duration_s": a.duration, "repeats": a.repeats, "logs": str(tmp),
+    out = {"command": " ".join(sys.argv), "workers": a.workers, "duration_s": a.duration, "repeats": a.repeats,
+           "logs": str(tmp),
            "results": summary, "raw": results}
-    print_table(console, summary)
+    print_table(console, summary, "PD gateways on the same " + ("zero-cost fake workers" if a.workers == "fake"
+                                                                else "sim workers (speed 0)"))
     write(out, a.out, lambda _, png: plot(summary, png))
     console.print(f"wrote {a.out} and {Path(a.out).with_suffix('.png')}")
     return out
@@ -145,8 +153,8 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, 
     return out
 
 
-def print_table(console: Console, summary: dict[str, dict[str, dict[str, Any]]]) -> None:
-    t = Table(title="PD gateways on the same sim workers (speed 0)")
+def print_table(console: Console, summary: dict[str, dict[str, dict[str, Any]]], title: str) -> None:
+    t = Table(title=title)
     for col in ("workload", "target", "req/s", "vs direct", "p50 ms", "p99 ms", "target CPU µs/req", "gen CPU share", "errors"):
         t.add_column(col, justify="right")
     for wl, by in summary.items():
@@ -220,6 +228,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--compare", action="store_true",
                    help="start sim workers and measure direct, pdgate, sglang-router (and --mini-lb) on them")
     p.add_argument("--mini-lb", action="store_true", help="also measure sglang's Python mini_lb")
+    p.add_argument("--workers", choices=("sim", "fake"), default="sim",
+                   help="--compare on engine.sim workers at speed 0 (default) or on zero-cost fake workers "
+                        "(loadtest.fakeworker: the gateways bound throughput)")
     p.add_argument("--duration", type=float, default=10)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -71,7 +72,7 @@ class WorkerSpec:
     role: str
     bootstrap_port: int | None = None
 
-    @property
+    @functools.cached_property
     def host(self) -> str:
         rest = self.url.split("://", 1)[-1]
         hostport = rest.split("/", 1)[0]

@@ -6,6 +6,7 @@ default. The result holds absolute times on the caller's clock.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -15,6 +16,7 @@ from pdgate.errors import InvalidDeadline
 from pdgate.record import Deadlines
 
 HEADERS = {"total": "x-pdgate-timeout", "ttft": "x-pdgate-ttft-timeout", "idle": "x-pdgate-idle-timeout"}
+HEADER_NAMES = tuple(HEADERS.values())
 
 
 def _parse(value: Any, source: str) -> float:
@@ -29,6 +31,11 @@ def _parse(value: Any, source: str) -> float:
     return seconds
 
 
+@functools.lru_cache(maxsize=8)
+def _defaults(cfg: DeadlineConfig) -> tuple[float, float, float]:
+    return (min(cfg.total_s, cfg.max_total_s), min(cfg.ttft_s, cfg.max_ttft_s), min(cfg.idle_s, cfg.max_idle_s))
+
+
 def resolve(
     now: float,
     headers: Mapping[str, str],
@@ -36,6 +43,9 @@ def resolve(
     model: Budgets | None,
     cfg: DeadlineConfig,
 ) -> Deadlines:
+    if body_timeout is None and model is None and not any(h in headers for h in HEADER_NAMES):
+        total, ttft, idle = _defaults(cfg)  # the common case: nothing asked, the configured budgets
+        return Deadlines(total_s=total, ttft_s=ttft, idle_s=idle, total_at=now + total, ttft_at=now + ttft)
     budgets: dict[str, float] = {}
     for name, header in HEADERS.items():
         raw = headers.get(header)

@@ -24,6 +24,10 @@ class Phase(enum.Enum):
     ABORTED = "aborted"
     DEADLINE_EXCEEDED = "deadline_exceeded"
 
+    # Members are singletons compared by identity: hash them by identity too (C speed) instead of
+    # Enum's Python-level hash of the name; phases are dict and set keys on every transition.
+    __hash__ = object.__hash__
+
     @property
     def terminal(self) -> bool:
         return self in TERMINAL
