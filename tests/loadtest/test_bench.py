@@ -36,3 +36,18 @@ async def test_bench_targets_closed_and_open_loop(procs: Procs, gateways: list[A
 def test_bench_needs_a_target() -> None:
     r = subprocess.run([sys.executable, "-m", "loadtest", "bench"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode != 0 and "--target" in r.stderr
+
+
+def test_compare_on_fake_workers_serves_every_target(tmp_path: Path) -> None:
+    """The zero-cost fake workers speak enough SGLang for direct, pdgate and the real sglang-router."""
+    out = tmp_path / "fake.json"
+    r = subprocess.run([sys.executable, "-m", "loadtest", "bench", "--compare", "--workers", "fake", "--workloads", "s64",
+                        "ns16", "--duration", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert res["workers"] == "fake"
+    for wl in ("s64", "ns16"):
+        for target in ("direct", "pdgate", "sglang-router"):
+            m = res["results"][wl][target]
+            assert m["ok"] > 100 and m["errors"] == 0, (wl, target, m)
