@@ -20,8 +20,6 @@ from urllib.parse import urlsplit
 
 import httptools
 
-READ_PAUSE_BYTES = 1 << 20  # stop reading a stream that the client does not take (back-pressure)
-
 
 class UpstreamClosed(ConnectionError):
     """The engine closed the connection, or sent bytes that are not HTTP, before the answer was complete."""
@@ -34,13 +32,12 @@ class ConnectFailed(ConnectionError):
 class Response:
     """One answer; the connection stays with it until the message ends or ``release()``."""
 
-    __slots__ = ("_chunks", "_conn", "_exc", "_sink", "_size", "_waiter", "complete", "status")
+    __slots__ = ("_chunks", "_conn", "_exc", "_sink", "_waiter", "complete", "status")
 
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self.status = 0
-        self._chunks: list[bytes] = []
-        self._size = 0
+        self._chunks: list[bytes] = []  # what arrived and was not taken yet (pipe() takes it after every read)
         self._waiter: asyncio.Future[None] | None = None
         self._exc: BaseException | None = None
         self._sink: Callable[[bytes], None] | None = None
@@ -49,9 +46,6 @@ class Response:
     # -- fed by the protocol
     def _feed(self, data: bytes) -> None:
         self._chunks.append(data)
-        self._size += len(data)
-        if self._size > READ_PAUSE_BYTES:
-            self._conn.pause()
         self._wake()
 
     def _flush(self) -> None:
@@ -86,9 +80,6 @@ class Response:
     def _take(self) -> bytes:
         data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
-        if self._size > READ_PAUSE_BYTES:
-            self._conn.resume()
-        self._size = 0
         return data
 
     # -- used by callers
@@ -129,7 +120,6 @@ class Connection(asyncio.Protocol):
         "idle_since",
         "keep",
         "loop",
-        "origin",
         "parser",
         "paused",
         "pool",

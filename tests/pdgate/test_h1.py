@@ -274,6 +274,18 @@ async def test_client_reuses_connections_and_replaces_closed_ones() -> None:
             client.close()
 
 
+async def test_client_reads_a_large_body_whole() -> None:
+    """A 3 MiB non-streamed answer (long outputs with logprobs get there) is read to its end."""
+    body = b"y" * (3 << 20)
+    client = Client(connect_timeout_s=1.0)
+    async with Engine(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body)) as eng:
+        try:
+            status, got = await asyncio.wait_for(client.fetch(f"http://127.0.0.1:{eng.port}", "POST", "/x", b"{}"), 10)
+            assert status == 200 and got == body
+        finally:
+            client.close()
+
+
 async def test_client_pipes_a_chunked_stream() -> None:
     client = Client(connect_timeout_s=1.0)
     got: list[bytes] = []
