@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
 
 import orjson
 import pytest
 
 from pdgate.h1client import Client, ConnectFailed, UpstreamClosed
 from pdgate.h1server import Request, Response, Router, Server, Stream
-from tests.procs import free_port
+from tests.pdgate.harness import make_config, start_gateway
+from tests.procs import Procs, free_port, wait_http
 
 MAX_BODY = 1000
 
@@ -319,3 +323,36 @@ async def test_client_connect_failure() -> None:
     with pytest.raises(ConnectFailed):
         await client.request(f"http://127.0.0.1:{free_port()}", "GET", "/")
     client.close()
+
+
+# ---- the relay's back-pressure, through the real gateway -------------------------------------------
+@pytest.mark.parametrize("backpressure", [True, False])
+async def test_relay_stops_reading_the_decode_for_a_client_that_does_not_read(
+        procs: Procs, gateways: list[Any], monkeypatch: pytest.MonkeyPatch, backpressure: bool) -> None:
+    """A 20 MB stream to a client that reads nothing: the gateway stops reading the decode, so the bytes
+    wait in the engine's socket, not in the gateway; with the mechanism off they pile up in the gateway."""
+    if not backpressure:
+        monkeypatch.setattr(Stream, "blocked", property(lambda self: False))
+    workers = []
+    for role in ("prefill", "decode"):
+        port = free_port()
+        w = procs.spawn([sys.executable, "-m", "loadtest.fakeworker", "--role", role, "--port", str(port)], name=role)
+        wait_http(f"http://127.0.0.1:{port}/health", proc=w.popen)
+        workers.append(SimpleNamespace(url=f"http://127.0.0.1:{port}", bootstrap_port=free_port()))
+    g = await start_gateway(make_config([workers[0]], [workers[1]]))  # type: ignore[list-item]
+    gateways.append(g)
+    body = orjson.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 200_000,
+                         "stream": True})
+    _, w = await asyncio.open_connection("127.0.0.1", int(g.url.rsplit(":", 1)[1]))
+    w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(body), body))
+    try:
+        await asyncio.sleep(3)
+        buffered = sum(c.transport.get_write_buffer_size() for c in g.runner.server.conns if c.transport is not None)
+        (rec,) = [*g.gw.traces.live.values(), *g.gw.traces.finished.values()]
+        if backpressure:  # still live: the decode is paused until the client reads
+            assert rec.live and buffered < 4 << 20, (rec.chunks, buffered)
+        else:  # the whole stream was taken from the decode and sits in the gateway's memory
+            assert rec.chunks == 200_001 and buffered > 10 << 20, (rec.chunks, buffered)
+    finally:
+        w.close()
