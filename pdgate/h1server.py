@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 from typing import Any, cast
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote
 
 import httptools
 import orjson
@@ -177,7 +177,7 @@ class Router:
             for rx, m in self.patterns:
                 hit = rx.match(req.path)
                 if hit is not None:
-                    req.match = hit.groupdict()
+                    req.match = {k: unquote(v) for k, v in hit.groupdict().items()}
                     methods = m
                     break
         if methods is None:

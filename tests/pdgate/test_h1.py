@@ -183,6 +183,8 @@ async def test_expect_continue_and_chunked_body(front: Front) -> None:
 async def test_path_params_and_query(front: Front) -> None:
     out = await exchange(front.port, b"GET /items/r-1?phase=decode&x= HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert orjson.loads(out.partition(b"\r\n\r\n")[2]) == {"id": "r-1", "q": {"phase": "decode", "x": ""}}
+    out = await exchange(front.port, b"GET /items/a%2Fb%20c HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert orjson.loads(out.partition(b"\r\n\r\n")[2])["id"] == "a/b c"
 
 
 async def test_streams_are_chunked_and_unchunked_for_http10(front: Front) -> None:
