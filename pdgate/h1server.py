@@ -8,7 +8,8 @@ limit, chunked streaming with back-pressure (``await stream.write()`` waits whil
 client's socket buffer is full; ``send()`` + ``on_writable`` for callers that cannot wait),
 TCP_NODELAY, idle-connection reaping, and the handler
 task cancelled when the client goes away, as aiohttp does with ``handler_cancellation``.
-Routing is a dict of exact paths plus ``/prefix/{id}[/suffix]`` patterns.
+Routing is a dict of exact paths plus ``/prefix/{id}[/suffix]`` patterns; HEAD is answered by
+the GET handler, without the body.
 """
 
 from __future__ import annotations
@@ -182,7 +183,7 @@ class Router:
                     break
         if methods is None:
             raise HTTPError(404, f"{req.method} {req.path}: Not Found", "not_found")
-        handler = methods.get(req.method)
+        handler = methods.get(req.method) or (methods.get("GET") if req.method == "HEAD" else None)
         if handler is None:
             raise HTTPError(405, f"{req.method} {req.path}: Method Not Allowed (allowed: {', '.join(sorted(methods))})",
                             "method_not_allowed")
@@ -417,7 +418,7 @@ class HttpProtocol(asyncio.Protocol):
                 keep = keep and req.keep_alive
             else:
                 self.write(head(resp.status, resp.headers, b"Content-Length: %d\r\n" % len(resp.body), keep)
-                           + resp.body)
+                           + (resp.body if req.method != "HEAD" else b""))
             self.last_active = time.monotonic()
             if not keep or self.closed:
                 self.task = None

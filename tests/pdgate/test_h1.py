@@ -180,6 +180,12 @@ async def test_expect_continue_and_chunked_body(front: Front) -> None:
     assert out.endswith(b"\r\n\r\nabcde")
 
 
+async def test_head_is_get_without_the_body(front: Front) -> None:
+    out = await exchange(front.port, b"HEAD /fast HTTP/1.1\r\nHost: x\r\n\r\nGET /fast HTTP/1.1\r\nHost: x\r\n\r\n", 0.5)
+    first, _, second = out.partition(b"\r\n\r\n")
+    assert b"Content-Length: 4" in first and second.startswith(b"HTTP/1.1 200 OK") and out.endswith(b"\r\n\r\nfast")
+
+
 async def test_path_params_and_query(front: Front) -> None:
     out = await exchange(front.port, b"GET /items/r-1?phase=decode&x= HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert orjson.loads(out.partition(b"\r\n\r\n")[2]) == {"id": "r-1", "q": {"phase": "decode", "x": ""}}
