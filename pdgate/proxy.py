@@ -71,8 +71,9 @@ class Bind:
         self.att.event(self.gw.now(), name, info)
 
     def prefill_done(self, p_task: asyncio.Task[bytes]) -> None:
-        if not p_task.cancelled() and p_task.exception() is not None and not self.att.first_token:
-            self.fail(p_task.exception())  # type: ignore[arg-type]
+        exc = None if p_task.cancelled() else p_task.exception()
+        if exc is not None and not self.att.first_token:
+            self.fail(exc)
 
 
 class Ctx:
@@ -399,10 +400,10 @@ async def relay_stream(ctx: Ctx, att: Attempt, w: Worker, resp: UpstreamResponse
 
 
 class Relay:
-    __slots__ = ("att", "ctx", "done", "resp", "w")
+    __slots__ = ("att", "ctx", "done", "upstream", "w")
 
-    def __init__(self, ctx: Ctx, att: Attempt, w: Worker, resp: UpstreamResponse) -> None:
-        self.ctx, self.att, self.w, self.resp = ctx, att, w, resp
+    def __init__(self, ctx: Ctx, att: Attempt, w: Worker, upstream: UpstreamResponse) -> None:
+        self.ctx, self.att, self.w, self.upstream = ctx, att, w, upstream
         self.done = False
 
     def feed(self, chunk: bytes) -> None:
@@ -427,8 +428,8 @@ class Relay:
         out.send(chunk)
         self.done = chunk.endswith(DONE)
         if out.blocked:  # back-pressure: stop reading the decode until the client takes more
-            self.resp.pause()
-            out.on_writable(self.resp.resume)
+            self.upstream.pause()
+            out.on_writable(self.upstream.resume)
 
 
 def _detail(body: bytes) -> Any:
