@@ -28,6 +28,8 @@ from urllib.parse import parse_qsl, unquote
 import httptools
 import orjson
 
+from pdgate.errors import GatewayError, NotFound, PayloadTooLarge, error_json
+
 log = logging.getLogger("pdgate.http")
 
 MAX_HEADER_BYTES = 64 * 1024
@@ -36,16 +38,18 @@ REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 REASONS[499] = b"Client Closed Request"
 
 
-class HTTPError(Exception):
-    """A protocol-level error answered before any handler runs (400, 405, 413, 431)."""
+class HTTPError(GatewayError):
+    """A protocol-level error answered before any handler runs (400, 405, 414, 431)."""
 
-    def __init__(self, status: int, message: str, code: str, type_: str = "invalid_request_error") -> None:
+    type = "invalid_request_error"
+
+    def __init__(self, status: int, message: str, code: str) -> None:
         super().__init__(message)
-        self.status, self.message, self.code, self.type = status, message, code, type_
+        self.status, self.code = status, code
 
 
-def error_body(status: int, message: str, code: str, type_: str) -> bytes:
-    return orjson.dumps({"error": {"message": message, "type": type_, "code": code, "param": None}})
+def error_response(exc: GatewayError) -> Response:
+    return Response(error_json(exc), exc.status)
 
 
 class Request:
@@ -182,7 +186,7 @@ class Router:
                     methods = m
                     break
         if methods is None:
-            raise HTTPError(404, f"{req.method} {req.path}: Not Found", "not_found")
+            raise NotFound(f"{req.method} {req.path}: Not Found")
         handler = methods.get(req.method) or (methods.get("GET") if req.method == "HEAD" else None)
         if handler is None:
             raise HTTPError(405, f"{req.method} {req.path}: Method Not Allowed (allowed: {', '.join(sorted(methods))})",
@@ -387,20 +391,19 @@ class HttpProtocol(asyncio.Protocol):
     def protocol_error(self, exc: HTTPError) -> None:
         self.close_after = True
         if self.task is None:
-            self.write(head(exc.status, {"Content-Type": "application/json"},
-                            b"Content-Length: %d\r\n" % len(body := error_body(exc.status, exc.message, exc.code,
-                                                                               exc.type)), False) + body)
+            body = error_json(exc)
+            self.write(head(exc.status, {"Content-Type": "application/json"}, b"Content-Length: %d\r\n" % len(body),
+                            False) + body)
             self.close()
 
     async def handle(self, req: Request) -> None:
         while True:
             try:
                 if req.too_large:
-                    raise HTTPError(413, f"request body is larger than {self.server.max_body} bytes",
-                                    "payload_too_large")
+                    raise PayloadTooLarge(f"request body is larger than {self.server.max_body} bytes")
                 resp = await self.server.dispatch(req)
-            except HTTPError as exc:
-                resp = Response(error_body(exc.status, exc.message, exc.code, exc.type), exc.status)
+            except GatewayError as exc:  # every error leaves in OpenAI's shape
+                resp = error_response(exc)
             except (asyncio.CancelledError, ClientGone):
                 self.task = None
                 self.close()
@@ -411,7 +414,7 @@ class HttpProtocol(asyncio.Protocol):
                     self.task = None
                     self.close()
                     return
-                resp = Response(error_body(500, "internal error", "internal_error", "server_error"), 500)
+                resp = error_response(GatewayError("internal error"))
             keep = req.keep_alive and not self.close_after and not self.server.draining
             if isinstance(resp, Stream):
                 resp.end()

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from pdgate import health, proxy, reconcile, traces, validation
 from pdgate.config import ConfigError, GatewayConfig, WorkerSpec, parse_prefill_flag, validate_worker
-from pdgate.errors import BadRequest, GatewayError, NotFound, error_json
+from pdgate.errors import BadRequest, NotFound
 from pdgate.gateway import Gateway
 from pdgate.h1server import Request, Response, Router, Server, Stream, json_response
 from pdgate.record import Record
@@ -218,11 +218,7 @@ class App:
         return await proxy.serve(ctx)
 
     async def dispatch(self, request: Request) -> Response | Stream:
-        """Every error leaves in OpenAI's shape."""
-        try:
-            return await self.router.resolve(request)(request)
-        except GatewayError as exc:
-            return Response(error_json(exc), exc.status)
+        return await self.router.resolve(request)(request)
 
     def start_health(self, wid: str) -> None:
         self.health_tasks[wid] = asyncio.get_running_loop().create_task(health.run(self.gw, self.gw.pool.by_id[wid]))
