@@ -59,7 +59,7 @@ def build(role: str) -> Router:
         await s.write(b"data: [DONE]\n\n")
         return s
 
-    for path in ("/health", "/health_generate", "/flush_cache"):
+    for path in ("/health", "/health_generate"):
         r.add("GET", path, ok)
     r.add("POST", "/abort_request", ok)
     for path in ("/server_info", "/get_server_info"):

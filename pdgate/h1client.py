@@ -207,6 +207,7 @@ class Connection(asyncio.Protocol):
         """The whole answer, waited for once (a small answer comes in one read: one wake-up)."""
         resp = self._send(head, body)
         data = await resp.read()
+        resp.release()  # complete: back to the pool
         return resp.status, data
 
     def pause(self) -> None:
@@ -318,13 +319,10 @@ class Client:
         pool, head = self._head(base, method, target, body, content_type)
         conn = await pool.acquire()
         try:
-            status, data = await conn.fetch(head, body)
+            return await conn.fetch(head, body)
         except BaseException:
             conn.close()
             raise
-        if conn.resp is not None:
-            conn.resp.release()
-        return status, data
 
     def _head(self, base: str, method: str, target: str, body: bytes, content_type: bytes) -> tuple[Pool, bytes]:
         pool, host = self._pool(base)

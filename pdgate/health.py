@@ -29,7 +29,7 @@ async def check(gw: Gateway, w: Worker) -> None:
     info: Any = None
     ok = False
     try:
-        status, _ = await gw.up().get_text(w.url + protocol.HEALTH_PATH, cfg.timeout_s)
+        status, _ = await gw.up().get(w.url + protocol.HEALTH_PATH, cfg.timeout_s)
         ok = status == 200
         if ok:
             _, info = await gw.up().get_json(w.url + protocol.SERVER_INFO_PATH, cfg.timeout_s)

@@ -55,10 +55,6 @@ class Upstream:
         except orjson.JSONDecodeError:
             return status, raw.decode(errors="replace")
 
-    async def get_text(self, url: str, timeout_s: float) -> tuple[int, str]:
-        status, raw = await self.get(url, timeout_s)
-        return status, raw.decode(errors="replace")
-
 
 def wrap(exc: BaseException, role: str, worker: str) -> UpstreamError:
     """Map a client-side exception from one leg to the gateway's error tree."""
