@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 import uvloop
 
-from pdgate.h1server import Request, Response, Router, Server, Stream, json_response
+from h1.server import Request, Response, Router, Server, Stream, json_response
 
 MODEL = "sim-model"
 

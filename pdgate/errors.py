@@ -1,6 +1,6 @@
 """Errors the gateway answers with, each mapped to an OpenAI error object in one place.
 
-    GatewayError                       500 internal_error
+    GatewayError (h1.errors.HTTPError) 500 internal_error
     ├── BadRequest                     400 invalid_request_error
     │   ├── InvalidJSON                400 invalid_json
     │   ├── InvalidField               400 invalid_value (param names the field)
@@ -21,21 +21,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
+# the root and two leaves live in the HTTP layer, which raises them itself
+from h1.errors import HTTPError
+from h1.errors import NotFound as NotFound
+from h1.errors import PayloadTooLarge as PayloadTooLarge
+from h1.errors import error_json as error_json
 
-
-class GatewayError(Exception):
-    status = 500
-    type = "internal_error"
-    code = "internal_error"
-
-    def __init__(self, message: str, *, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
+GatewayError = HTTPError
 
 
 class BadRequest(GatewayError):
@@ -56,20 +48,8 @@ class InvalidDeadline(BadRequest):
     code = "invalid_deadline"
 
 
-class NotFound(GatewayError):
-    status = 404
-    type = "invalid_request_error"
-    code = "not_found"
-
-
 class ModelNotFound(NotFound):
     code = "model_not_found"
-
-
-class PayloadTooLarge(GatewayError):
-    status = 413
-    type = "invalid_request_error"
-    code = "payload_too_large"
 
 
 class NoHealthyPair(GatewayError):
@@ -138,10 +118,6 @@ class Aborted(GatewayError):
     status = 499
     type = "request_aborted"
     code = "request_aborted"
-
-
-def error_json(exc: GatewayError) -> bytes:
-    return orjson.dumps(exc.body())
 
 
 def sse_error_event(exc: GatewayError) -> bytes:

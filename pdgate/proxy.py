@@ -15,6 +15,8 @@ from typing import Any
 
 import orjson
 
+from h1.client import Response as UpstreamResponse
+from h1.server import ClientGone, Request, Response, Stream
 from pdgate import deadlines, protocol, validation
 from pdgate.errors import (
     Aborted,
@@ -30,8 +32,6 @@ from pdgate.errors import (
     sse_error_event,
 )
 from pdgate.gateway import Gateway
-from pdgate.h1client import Response as UpstreamResponse
-from pdgate.h1server import ClientGone, Request, Response, Stream
 from pdgate.policies import select_pair
 from pdgate.record import Attempt, Phase, Record, phase_label
 from pdgate.upstream import wrap

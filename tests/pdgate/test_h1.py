@@ -11,8 +11,8 @@ from typing import Any
 import orjson
 import pytest
 
-from pdgate.h1client import Client, ConnectFailed, UpstreamClosed
-from pdgate.h1server import Request, Response, Router, Server, Stream
+from h1.client import Client, ConnectFailed, UpstreamClosed
+from h1.server import Request, Response, Router, Server, Stream
 from tests.pdgate.harness import make_config, start_gateway
 from tests.procs import Procs, free_port, wait_http
 

@@ -28,9 +28,9 @@ from urllib.parse import parse_qsl, unquote
 import httptools
 import orjson
 
-from pdgate.errors import GatewayError, NotFound, PayloadTooLarge, error_json
+from h1.errors import HTTPError, NotFound, PayloadTooLarge, ProtocolError, error_json
 
-log = logging.getLogger("pdgate.http")
+log = logging.getLogger("h1.server")
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PIPELINED = 32  # requests queued behind the one being answered; beyond this the connection is not read
@@ -38,17 +38,7 @@ REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 REASONS[499] = b"Client Closed Request"
 
 
-class HTTPError(GatewayError):
-    """A protocol-level error answered before any handler runs (400, 405, 414, 431)."""
-
-    type = "invalid_request_error"
-
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(message)
-        self.status, self.code = status, code
-
-
-def error_response(exc: GatewayError) -> Response:
+def error_response(exc: HTTPError) -> Response:
     return Response(error_json(exc), exc.status)
 
 
@@ -189,7 +179,7 @@ class Router:
             raise NotFound(f"{req.method} {req.path}: Not Found")
         handler = methods.get(req.method) or (methods.get("GET") if req.method == "HEAD" else None)
         if handler is None:
-            raise HTTPError(405, f"{req.method} {req.path}: Method Not Allowed (allowed: {', '.join(sorted(methods))})",
+            raise ProtocolError(405, f"{req.method} {req.path}: Method Not Allowed (allowed: {', '.join(sorted(methods))})",
                             "method_not_allowed")
         return handler
 
@@ -282,13 +272,13 @@ class HttpProtocol(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             # no upgrades here: answer a complete request, then close
-            self.protocol_error(HTTPError(400, "protocol upgrades are not supported", "bad_request"))
+            self.protocol_error(ProtocolError(400, "protocol upgrades are not supported", "bad_request"))
         except httptools.HttpParserCallbackError as exc:
             ctx = exc.__context__  # httptools keeps our callback's exception as the context
-            self.protocol_error(ctx if isinstance(ctx, HTTPError) else HTTPError(400, "malformed HTTP request",
+            self.protocol_error(ctx if isinstance(ctx, ProtocolError) else ProtocolError(400, "malformed HTTP request",
                                                                                  "bad_request"))
         except httptools.HttpParserError as exc:
-            self.protocol_error(HTTPError(400, f"malformed HTTP request: {exc}", "bad_request"))
+            self.protocol_error(ProtocolError(400, f"malformed HTTP request: {exc}", "bad_request"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -322,12 +312,12 @@ class HttpProtocol(asyncio.Protocol):
         self.url += url
         self.hdr_bytes += len(url)
         if self.hdr_bytes > MAX_HEADER_BYTES:
-            raise HTTPError(414, "request line too long", "uri_too_long")
+            raise ProtocolError(414, "request line too long", "uri_too_long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.hdr_bytes += len(name) + len(value)
         if self.hdr_bytes > MAX_HEADER_BYTES:
-            raise HTTPError(431, f"request headers larger than {MAX_HEADER_BYTES} bytes", "headers_too_large")
+            raise ProtocolError(431, f"request headers larger than {MAX_HEADER_BYTES} bytes", "headers_too_large")
         self.hdrs[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
@@ -388,7 +378,7 @@ class HttpProtocol(asyncio.Protocol):
             self.closed = True
             self.transport.close()
 
-    def protocol_error(self, exc: HTTPError) -> None:
+    def protocol_error(self, exc: ProtocolError) -> None:
         self.close_after = True
         if self.task is None:
             body = error_json(exc)
@@ -402,7 +392,7 @@ class HttpProtocol(asyncio.Protocol):
                 if req.too_large:
                     raise PayloadTooLarge(f"request body is larger than {self.server.max_body} bytes")
                 resp = await self.server.dispatch(req)
-            except GatewayError as exc:  # every error leaves in OpenAI's shape
+            except HTTPError as exc:  # every error leaves in OpenAI's shape
                 resp = error_response(exc)
             except (asyncio.CancelledError, ClientGone):
                 self.task = None
@@ -414,7 +404,7 @@ class HttpProtocol(asyncio.Protocol):
                     self.task = None
                     self.close()
                     return
-                resp = error_response(GatewayError("internal error"))
+                resp = error_response(HTTPError("internal error"))
             keep = req.keep_alive and not self.close_after and not self.server.draining
             if isinstance(resp, Stream):
                 resp.end()

@@ -1,0 +1,6 @@
+"""A lean HTTP/1.1 server and client on asyncio protocols and httptools (llhttp).
+
+Shared by the gateway (``pdgate``) and the simulated engines (``engine.sim``), which must not
+import each other (DESIGN.md): it knows nothing of either. ``errors`` holds the root of the
+error tree whose instances the server answers as OpenAI error objects; pdgate extends it.
+"""
