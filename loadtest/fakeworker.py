@@ -6,7 +6,7 @@ info, loads, abort, the three generate routes). The decode answers non-streamed 
 with one OpenAI body and streamed ones with ``max_tokens`` SSE events then ``[DONE]``,
 written back to back. This is the "zero-cost fake worker" setting of
 ``../shared/reference/peers.md``, where the gateway, not the workers, bounds throughput;
-it runs on pdgate's own HTTP layer because an aiohttp worker would cost more than the
+it runs on the h1 HTTP layer (as engine.sim does) because an aiohttp worker would cost more than the
 gateways under test.
 """
 

@@ -8,10 +8,9 @@ import signal
 import sys
 
 import uvloop
-from aiohttp import web
 
 from engine.sim.config import SimConfig, build_parser, config_from_args
-from engine.sim.server import build_app, build_bootstrap_app
+from engine.sim.server import build_bootstrap_server, build_server
 from engine.sim.worker import Engine
 
 log = logging.getLogger("engine.sim")
@@ -20,15 +19,11 @@ log = logging.getLogger("engine.sim")
 async def serve(cfg: SimConfig) -> None:
     engine = Engine(cfg)
     await engine.start()
-    runners = []
-    apps = [(build_app(engine), cfg.port)]
+    servers = [(build_server(engine), cfg.port)]
     if cfg.role == "prefill":
-        apps.append((build_bootstrap_app(engine), cfg.bootstrap_port))
-    for app, port in apps:
-        runner = web.AppRunner(app, handle_signals=False, access_log=None, handler_cancellation=True)
-        await runner.setup()
-        await web.TCPSite(runner, cfg.host, port, reuse_address=True).start()
-        runners.append(runner)
+        servers.append((build_bootstrap_server(engine), cfg.bootstrap_port))
+    for server, port in servers:  # h1 cancels a handler whose client leaves, as aiohttp's handler_cancellation
+        await server.start(cfg.host, port)
     log.info("sim %s worker ready on http://%s:%d (bootstrap %s) fixes=%s faults=%s identity=%s",
              cfg.role, cfg.host, cfg.port, cfg.bootstrap_port if cfg.role == "prefill" else "-",
              ",".join(sorted(cfg.fixes)) or "none",
@@ -38,8 +33,8 @@ async def serve(cfg: SimConfig) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    for runner in runners:
-        await runner.cleanup()
+    for server, _ in servers:
+        await server.close()
     await engine.close()
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from engine.sim.worker import Engine
 from pdgate import protocol as p
 
+CONTENT_TYPE = CONTENT_TYPE_LATEST
 LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank")
 
 # gauge name -> the sim queues it counts, per role

@@ -16,26 +16,32 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from engine.sim import metrics
 from engine.sim.config import FIXES, SimConfig, parse_fixes
 from engine.sim.text import chat_prompt, token_ids, token_logprob
 from engine.sim.worker import Engine, EngineError, SimRequest, make_request
+from h1.server import Request, Response, Router, Server, Stream
 from pdgate import protocol as p
 
 log = logging.getLogger("engine.sim.server")
-ENGINE = web.AppKey("engine", Engine)
 UNSUPPORTED = ("best_of", "suffix", "echo", "logit_bias", "tools", "functions")
+MAX_BODY = 256 * 1024 * 1024
+SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+Handler = Callable[[Request], Awaitable["Response | Stream"]]
 
 
-def error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
+def error(status: int, message: str, kind: str = "BadRequestError") -> Response:
     body = {"object": "error", "message": message, "type": kind, "param": None, "code": status}
-    return web.json_response(body, status=status, dumps=lambda o: orjson.dumps(o).decode())
+    return Response(orjson.dumps(body), status)
 
 
-def jsonr(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
+def jsonr(obj: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(obj), status)
+
+
+def text(body: str = "") -> Response:
+    return Response(body.encode(), content_type="text/plain; charset=utf-8")
 
 
 # ---- request parsing ---------------------------------------------------------------
@@ -148,9 +154,9 @@ DONE = b"data: [DONE]\n\n"
 
 
 # ---- handlers ------------------------------------------------------------------------
-async def _read_json(request: web.Request) -> dict[str, Any]:
+def _read_json(request: Request) -> dict[str, Any]:
     try:
-        body = orjson.loads(await request.read())
+        body = orjson.loads(request.body)
     except orjson.JSONDecodeError as exc:
         raise EngineError(400, f"invalid JSON body: {exc}") from None
     if not isinstance(body, dict):
@@ -158,12 +164,11 @@ async def _read_json(request: web.Request) -> dict[str, Any]:
     return body
 
 
-def generate_handler(route: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
-    async def handle(request: web.Request) -> web.StreamResponse:
-        engine = request.app[ENGINE]
+def generate_handler(engine: Engine, route: str) -> Handler:
+    async def handle(request: Request) -> Response | Stream:
         cfg = engine.cfg
         try:
-            body = await _read_json(request)
+            body = _read_json(request)
             ps = Parsed(route, body, cfg)
             if body.get(p.BOOTSTRAP_ROOM) is None:
                 raise EngineError(400, f"{cfg.role} worker runs in PD mode: bootstrap_room is required")
@@ -203,7 +208,7 @@ async def _await_or_abort(engine: Engine, req: SimRequest, task: asyncio.Task[An
         raise
 
 
-async def _prefill(request: web.Request, engine: Engine, ps: Parsed, req: SimRequest, model: str) -> web.StreamResponse:
+async def _prefill(request: Request, engine: Engine, ps: Parsed, req: SimRequest, model: str) -> Response | Stream:
     task = _detached(engine, engine.prefill(req))
     try:
         first = await _await_or_abort(engine, req, task)
@@ -212,14 +217,12 @@ async def _prefill(request: web.Request, engine: Engine, ps: Parsed, req: SimReq
     finish = {"type": "length", "length": 1}
     if not ps.stream:
         return jsonr(full_body(ps, req, [first], finish, model, "prefill"))
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    await resp.write(chunk(ps, req, [first], first, finish, model, "prefill") + DONE)
-    await resp.write_eof()
-    return resp
+    s = request.open_stream(200, SSE)
+    await s.write(chunk(ps, req, [first], first, finish, model, "prefill") + DONE)
+    return s
 
 
-async def _decode(request: web.Request, engine: Engine, ps: Parsed, req: SimRequest, model: str) -> web.StreamResponse:
+async def _decode(request: Request, engine: Engine, ps: Parsed, req: SimRequest, model: str) -> Response | Stream:
     task = _detached(engine, engine.decode(req))
     if not ps.stream:
         try:
@@ -228,14 +231,14 @@ async def _decode(request: web.Request, engine: Engine, ps: Parsed, req: SimRequ
             return error(exc.status, exc.message, exc.kind)
         return jsonr(full_body(ps, req, req.tokens, req.finish, model, "decode"))
     try:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
+        s = request.open_stream(200, SSE)
         sent = 0
         while True:
-            while sent < len(req.tokens):
+            while sent < len(req.tokens):  # one event per token, as SGLang streams (stream_interval 1)
                 sent += 1
                 last = sent == len(req.tokens) and req.finish is not None
-                await resp.write(chunk(ps, req, req.tokens[:sent], req.tokens[sent - 1], req.finish if last else None, model, "decode"))
+                s.send(chunk(ps, req, req.tokens[:sent], req.tokens[sent - 1], req.finish if last else None, model, "decode"))
+            await s.drain()
             if task.done():
                 break
             req.progress.clear()
@@ -243,13 +246,12 @@ async def _decode(request: web.Request, engine: Engine, ps: Parsed, req: SimRequ
         exc = task.exception()
         if isinstance(exc, EngineError):
             err = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
-            await resp.write(b"data: " + orjson.dumps(err) + b"\n\n")
+            s.send(b"data: " + orjson.dumps(err) + b"\n\n")
         elif ps.include_usage:
-            await resp.write(usage_chunk(ps, req, len(req.tokens), model))
-        await resp.write(DONE)
-        await resp.write_eof()
-        return resp
-    except (asyncio.CancelledError, ConnectionResetError):
+            s.send(usage_chunk(ps, req, len(req.tokens), model))
+        await s.write(DONE)
+        return s
+    except (asyncio.CancelledError, ConnectionError):
         if not task.done():
             engine.abort_later(req.rid)
         raise
@@ -276,135 +278,131 @@ def _server_info(engine: Engine) -> dict[str, Any]:
     return info
 
 
-async def health(request: web.Request) -> web.Response:
-    return web.Response(text="")
+def build_router(engine: Engine) -> Router:
+    cfg = engine.cfg
+    registry = metrics.make_registry(engine)
 
+    async def health(_: Request) -> Response:
+        return text()
 
-async def models(request: web.Request) -> web.Response:
-    cfg = request.app[ENGINE].cfg
-    data = [{"id": cfg.model, "object": "model", "created": int(request.app[ENGINE].started), "owned_by": "sglang",
-             "root": cfg.model, "parent": None, "max_model_len": cfg.max_context}]
-    return jsonr({"object": "list", "data": data})
+    async def models(_: Request) -> Response:
+        data = [{"id": cfg.model, "object": "model", "created": int(engine.started), "owned_by": "sglang",
+                 "root": cfg.model, "parent": None, "max_model_len": cfg.max_context}]
+        return jsonr({"object": "list", "data": data})
 
+    async def server_info(_: Request) -> Response:
+        return jsonr(_server_info(engine))
 
-async def server_info(request: web.Request) -> web.Response:
-    return jsonr(_server_info(request.app[ENGINE]))
+    async def model_info(_: Request) -> Response:
+        return jsonr(_model_info(cfg))
 
-
-async def model_info(request: web.Request) -> web.Response:
-    return jsonr(_model_info(request.app[ENGINE].cfg))
-
-
-async def abort_request(request: web.Request) -> web.Response:
-    try:
-        body = await _read_json(request)
-    except EngineError:
-        body = {}
-    n = request.app[ENGINE].abort(str(body.get("rid") or ""), bool(body.get("abort_all")))
-    if n:
-        log.info("abort rid=%s matched %d", body.get("rid"), n)
-    return web.Response(text="")
-
-
-async def loads(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    c = engine.queue_counts()
-    load: dict[str, Any] = {"dp_rank": 0, "num_running_reqs": c.get("running", 0) + c.get("forward", 0),
-                            "num_waiting_reqs": c.get("waiting", 0) + c.get("prealloc", 0) + c.get("transfer", 0)}
-    if "disagg" in request.query.get("include", ""):
-        load["disagg"] = {"prefill_bootstrap_queue_reqs": c.get("bootstrap", 0), "prefill_inflight_queue_reqs": c.get("inflight", 0),
-                          "decode_prealloc_queue_reqs": c.get("prealloc", 0), "decode_transfer_queue_reqs": c.get("transfer", 0)}
-    return jsonr({"timestamp": time.time(), "loads": [load]})
-
-
-async def metrics_handler(request: web.Request) -> web.Response:
-    return web.Response(body=metrics.render(request.app[METRICS]), content_type="text/plain", charset="utf-8")
-
-
-async def flush_cache(request: web.Request) -> web.Response:
-    return web.Response(text="Cache flushed.\n")
-
-
-async def ext_requests(request: web.Request) -> web.Response:
-    now = time.monotonic()
-    reqs = [{"rid": r.rid, "bootstrap_room": r.room, "queue": r.queue, "since_s": round(now - r.since, 3),
-             "age_s": round(now - r.created, 3)} for r in request.app[ENGINE].reqs.values()]
-    return jsonr({"role": request.app[ENGINE].cfg.role, "requests": reqs})
-
-
-async def ext_faults(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    if request.method == "POST":
+    async def abort_request(request: Request) -> Response:
         try:
-            body = await _read_json(request)
-            for name, value in body.items():
-                if name == "fixes":
-                    engine.cfg.fixes = parse_fixes(str(value))
-                else:
-                    engine.cfg.faults.set(name, value)
-        except (EngineError, KeyError, ValueError) as exc:
-            return error(400, str(exc))
-        if engine.cfg.faults.decode_freeze:
-            engine.unfrozen.clear()
-        else:
-            engine.unfrozen.set()
-        log.warning("faults now %s fixes %s", engine.cfg.faults.values, sorted(engine.cfg.fixes))
-    return jsonr({"faults": engine.cfg.faults.values, "fixes": sorted(engine.cfg.fixes), "known_fixes": FIXES})
+            body = _read_json(request)
+        except EngineError:
+            body = {}
+        n = engine.abort(str(body.get("rid") or ""), bool(body.get("abort_all")))
+        if n:
+            log.info("abort rid=%s matched %d", body.get("rid"), n)
+        return text()
 
+    async def loads(request: Request) -> Response:
+        c = engine.queue_counts()
+        load: dict[str, Any] = {"dp_rank": 0, "num_running_reqs": c.get("running", 0) + c.get("forward", 0),
+                                "num_waiting_reqs": c.get("waiting", 0) + c.get("prealloc", 0) + c.get("transfer", 0)}
+        if "disagg" in request.query.get("include", ""):
+            load["disagg"] = {"prefill_bootstrap_queue_reqs": c.get("bootstrap", 0),
+                              "prefill_inflight_queue_reqs": c.get("inflight", 0),
+                              "decode_prealloc_queue_reqs": c.get("prealloc", 0),
+                              "decode_transfer_queue_reqs": c.get("transfer", 0)}
+        return jsonr({"timestamp": time.time(), "loads": [load]})
 
-@web.middleware
-async def freeze_gate(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """A frozen decode answers nothing (sockets stay open), except the faults endpoint."""
-    if request.path != p.EXT_FAULTS_PATH:
-        await request.app[ENGINE].unfrozen.wait()
-    return await handler(request)
+    async def metrics_handler(_: Request) -> Response:
+        return Response(metrics.render(registry), content_type=metrics.CONTENT_TYPE)
 
+    async def flush_cache(_: Request) -> Response:
+        return text("Cache flushed.\n")
 
-METRICS = web.AppKey("metrics", object)
+    async def ext_requests(_: Request) -> Response:
+        now = time.monotonic()
+        reqs = [{"rid": r.rid, "bootstrap_room": r.room, "queue": r.queue, "since_s": round(now - r.since, 3),
+                 "age_s": round(now - r.created, 3)} for r in engine.reqs.values()]
+        return jsonr({"role": cfg.role, "requests": reqs})
 
+    async def ext_faults(request: Request) -> Response:
+        if request.method == "POST":
+            try:
+                body = _read_json(request)
+                for name, value in body.items():
+                    if name == "fixes":
+                        cfg.fixes = parse_fixes(str(value))
+                    else:
+                        cfg.faults.set(name, value)
+            except (EngineError, KeyError, ValueError) as exc:
+                return error(400, str(exc))
+            if cfg.faults.decode_freeze:
+                engine.unfrozen.clear()
+            else:
+                engine.unfrozen.set()
+            log.warning("faults now %s fixes %s", cfg.faults.values, sorted(cfg.fixes))
+        return jsonr({"faults": cfg.faults.values, "fixes": sorted(cfg.fixes), "known_fixes": FIXES})
 
-def build_app(engine: Engine) -> web.Application:
-    app = web.Application(middlewares=[freeze_gate], client_max_size=256 * 1024 * 1024)
-    app[ENGINE] = engine
-    app[METRICS] = metrics.make_registry(engine)
+    r = Router()
     for route in p.GENERATE_ROUTES:
-        app.router.add_post(route, generate_handler(route))
+        r.add("POST", route, generate_handler(engine, route))
     for path in ("/health", "/health_generate"):
-        app.router.add_get(path, health)
-    app.router.add_get("/v1/models", models)
+        r.add("GET", path, health)
+    r.add("GET", "/v1/models", models)
     for path in ("/server_info", "/get_server_info"):
-        app.router.add_get(path, server_info)
+        r.add("GET", path, server_info)
     for path in ("/model_info", "/get_model_info"):
-        app.router.add_get(path, model_info)
-    app.router.add_post(p.ABORT_PATH, abort_request)
-    app.router.add_get(p.LOADS_PATH, loads)
-    app.router.add_get(p.METRICS_PATH, metrics_handler)
-    app.router.add_post("/flush_cache", flush_cache)
-    if engine.cfg.extension:
-        app.router.add_get(p.EXT_REQUESTS_PATH, ext_requests)
-    app.router.add_route("*", p.EXT_FAULTS_PATH, ext_faults)
-    return app
+        r.add("GET", path, model_info)
+    r.add("POST", p.ABORT_PATH, abort_request)
+    r.add("GET", p.LOADS_PATH, loads)
+    r.add("GET", p.METRICS_PATH, metrics_handler)
+    r.add("POST", "/flush_cache", flush_cache)
+    if cfg.extension:
+        r.add("GET", p.EXT_REQUESTS_PATH, ext_requests)
+    for method in ("GET", "POST"):
+        r.add(method, p.EXT_FAULTS_PATH, ext_faults)
+    return r
+
+
+def build_server(engine: Engine) -> Server:
+    router = build_router(engine)
+
+    async def dispatch(request: Request) -> Response | Stream:
+        if request.path != p.EXT_FAULTS_PATH:  # a frozen decode answers nothing (sockets stay open) but this
+            await engine.unfrozen.wait()
+        return await router.resolve(request)(request)
+
+    return Server(dispatch, MAX_BODY)
 
 
 # ---- bootstrap server (prefill) -------------------------------------------------------------
-def build_bootstrap_app(engine: Engine) -> web.Application:
-    app = web.Application()
+def build_bootstrap_server(engine: Engine) -> Server:
+    async def route(_: Request) -> Response:
+        return jsonr({"rank_ip": engine.cfg.host, "rank_port": engine.cfg.bootstrap_port, "engine_rank": 0})
 
-    async def route(request: web.Request) -> web.Response:
-        cfg = engine.cfg
-        return jsonr({"rank_ip": cfg.host, "rank_port": cfg.bootstrap_port, "engine_rank": 0})
-
-    async def register_room(request: web.Request) -> web.Response:
-        body = orjson.loads(await request.read())
+    async def register_room(request: Request) -> Response:
+        body = orjson.loads(request.body)
         ok = engine.register_room(int(body["room"]), body["dest"])
         return jsonr({"ok": ok}, status=200 if ok else 409)
 
-    async def ok(request: web.Request) -> web.Response:
+    async def ok(_: Request) -> Response:
         return jsonr({"status": "ok", "dp_ranks": [0]})
 
-    app.router.add_get("/route", route)
-    app.router.add_get("/health", health)
-    app.router.add_post("/register_room", register_room)
-    app.router.add_post("/register_dp_rank", ok)
-    app.router.add_get("/query_dp_ranks", ok)
-    return app
+    async def health(_: Request) -> Response:
+        return text()
+
+    r = Router()
+    r.add("GET", "/route", route)
+    r.add("GET", "/health", health)
+    r.add("POST", "/register_room", register_room)
+    r.add("POST", "/register_dp_rank", ok)
+    r.add("GET", "/query_dp_ranks", ok)
+
+    async def dispatch(request: Request) -> Response | Stream:
+        return await r.resolve(request)(request)
+
+    return Server(dispatch, 1 << 20)

@@ -19,11 +19,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
+import orjson
 
 from engine.sim import kv
 from engine.sim.config import SimConfig
 from engine.sim.text import count_tokens, words
+from h1.client import Client
 
 log = logging.getLogger("engine.sim")
 
@@ -111,12 +112,12 @@ class Engine:
         self.receiver: Any = None  # kv.KVReceiver or nixl_kv.NixlReceiver
         self.sender: Any = kv.KVSender()
         self._routes: set[str] = set()  # bootstrap servers whose /route we already know (SGLang caches it)
-        self._http: aiohttp.ClientSession | None = None
+        self._http: Client | None = None  # keep-alive connections to prefill bootstrap servers
         self._tasks: set[asyncio.Task[Any]] = set()
 
     # ---- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        self._http = Client(connect_timeout_s=10)
         hooks = (self._deliver_kv, self.unfrozen.wait, lambda: bool(self.cfg.faults.ack_loss),
                  lambda: bool(self.cfg.faults.decode_crash))
         if self.cfg.transfer_backend == "nixl":
@@ -142,7 +143,7 @@ class Engine:
             await self.receiver.close()
         self.sender.close()
         if self._http is not None:
-            await self._http.close()
+            self._http.close()
 
     # ---- bookkeeping -------------------------------------------------------------
     def enter(self, req: SimRequest, queue: str) -> None:
@@ -339,18 +340,21 @@ class Engine:
             dest = await self.receiver.destination(req.room, req.prompt_tokens * self.cfg.kv_bytes_per_token)
         except kv.TransferFailed as exc:
             raise EngineError(400, str(exc), "BadRequestError") from None
-        body = {"room": req.room, "rid": req.rid, "dest": dest}
+        body = orjson.dumps({"room": req.room, "rid": req.rid, "dest": dest})
         try:
-            if base not in self._routes:
-                async with self._http.get(f"{base}/route") as r:
-                    r.raise_for_status()
-                self._routes.add(base)
-            async with self._http.post(f"{base}/register_room", json=body) as r:
-                r.raise_for_status()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+            async with asyncio.timeout(10):
+                if base not in self._routes:
+                    status, _ = await self._http.fetch(base, "GET", "/route")
+                    if status != 200:
+                        raise ConnectionError(f"GET /route answered {status}")
+                    self._routes.add(base)
+                status, _ = await self._http.fetch(base, "POST", "/register_room", body)
+                if status != 200:
+                    raise ConnectionError(f"POST /register_room answered {status}")
+        except (OSError, TimeoutError) as exc:
             self._routes.discard(base)
             self.counters.bootstrap_failed += 1
-            raise EngineError(500, f"bootstrap handshake with {base} failed: {exc}") from None
+            raise EngineError(500, f"bootstrap handshake with {base} failed: {exc!r}") from None
 
     async def _alloc(self, need: int) -> None:
         async with self._kv_freed:
