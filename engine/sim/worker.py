@@ -16,8 +16,9 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -27,6 +28,7 @@ from engine.sim.text import count_tokens, words
 from h1.client import Client
 
 log = logging.getLogger("engine.sim")
+T = TypeVar("T")
 
 
 class EngineError(Exception):
@@ -57,7 +59,8 @@ class SimRequest:
     queue: str = "new"
     since: float = field(default_factory=time.monotonic)
     created: float = field(default_factory=time.monotonic)
-    abort_event: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[Any] | None = None  # the engine work (prefill or decode); an abort cancels it
+    aborted_in: str | None = None  # the queue an abort that took effect found the request in
     lost_aborts: int = 0
     # decode output
     tokens: list[str] = field(default_factory=list)
@@ -181,11 +184,25 @@ class Engine:
         """SGLang's /abort_request: prefix match on rid; unknown rid is a no-op."""
         hit = [r for r in list(self.reqs.values()) if abort_all or r.rid.startswith(rid)]
         for r in hit:
-            r.abort_event.set()
+            if r.aborted_in is None and r.task is not None and not r.task.done() and self._abort_applies(r):
+                r.aborted_in = r.queue
+                r.task.cancel()  # lands at the request's current wait, wherever it is
         return len(hit)
 
+    async def _abortable(self, req: SimRequest, work: Awaitable[T]) -> T:
+        """Run one request's engine work in this task; an abort's cancellation becomes ``Aborted``."""
+        req.task = asyncio.current_task()
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if req.aborted_in is None or req.task is None:
+                raise  # shutdown, not an abort
+            req.task.uncancel()
+            self.counters.aborted += 1
+            raise Aborted(req.aborted_in) from None
+
     def _abort_applies(self, req: SimRequest) -> bool:
-        """Whether a pending abort takes effect now; models the race that fix A closes."""
+        """Whether an abort takes effect; models the race that fix A closes."""
         if "A" in self.cfg.fixes or not self.cfg.faults.abort_race:
             return True
         if req.queue == "inflight" and req.lost_aborts == 0:
@@ -212,6 +229,9 @@ class Engine:
 
     async def prefill(self, req: SimRequest) -> str:
         """Run one prefill; returns the first output token or raises EngineError."""
+        return await self._abortable(req, self._prefill(req))
+
+    async def _prefill(self, req: SimRequest) -> str:
         assert req.room is not None
         await self._accept_delay()
         self.enter(req, "bootstrap")
@@ -224,7 +244,7 @@ class Engine:
             async with self._forward:
                 self.enter(req, "forward")
                 delay = self.cfg.timing.prefill_s(req.prompt_tokens) + self.cfg.faults.slow_prefill
-                await self._until(req, asyncio.sleep(delay), None, "forward")
+                await asyncio.sleep(delay)
             first = req.next_word()
             self.enter(req, "inflight")
             await self._transfer(req, dest, first)
@@ -236,7 +256,8 @@ class Engine:
     async def _bootstrap(self, req: SimRequest, room_fut: asyncio.Future[dict[str, Any]]) -> dict[str, Any]:
         timeout = self.cfg.bootstrap_timeout if "B" in self.cfg.fixes else None
         try:
-            return await self._until(req, asyncio.shield(room_fut), timeout, "bootstrap")
+            async with asyncio.timeout(timeout):
+                return await asyncio.shield(room_fut)
         except TimeoutError:
             self.counters.bootstrap_failed += 1
             log.warning("bootstrap timeout rid=%s room=%s after %.1fs", req.rid, req.room, timeout)
@@ -248,7 +269,8 @@ class Engine:
         send = asyncio.ensure_future(self.sender.send(dest, header, payload))
         watchdog = self.cfg.inflight_timeout if "C" in self.cfg.fixes else None
         try:
-            await self._until(req, send, watchdog, "inflight")
+            async with asyncio.timeout(watchdog):
+                await send
         except TimeoutError:
             self.counters.inflight_timeouts += 1
             log.error(
@@ -262,28 +284,6 @@ class Engine:
         finally:
             send.cancel()
 
-    async def _until(self, req: SimRequest, aw: Any, timeout: float | None, where: str) -> Any:
-        """Await ``aw`` unless the request is aborted (subject to the race) or times out."""
-        task = asyncio.ensure_future(aw)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while True:
-                abort_wait = asyncio.ensure_future(req.abort_event.wait())
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                done, _ = await asyncio.wait({task, abort_wait}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
-                abort_wait.cancel()
-                if task in done:
-                    return task.result()
-                if abort_wait in done:
-                    req.abort_event.clear()
-                    if self._abort_applies(req):
-                        self.counters.aborted += 1
-                        raise Aborted(where)
-                    continue
-                raise TimeoutError
-        finally:
-            task.cancel()
-
     # ---- decode ------------------------------------------------------------------
     def _deliver_kv(self, header: dict[str, Any]) -> bool:
         req = self._by_room.get(header.get("room"))  # type: ignore[arg-type]
@@ -294,6 +294,9 @@ class Engine:
 
     async def decode(self, req: SimRequest) -> None:
         """Run decode until the request finishes; tokens appear on ``req.tokens``."""
+        await self._abortable(req, self._decode(req))
+
+    async def _decode(self, req: SimRequest) -> None:
         assert self.receiver is not None and self._http is not None
         await self._accept_delay()
         req.kv_header = asyncio.get_running_loop().create_future()
@@ -305,12 +308,13 @@ class Engine:
         allocated = False
         try:
             if not self.cfg.faults.bootstrap_loss:
-                await self._until(req, self._handshake(req), None, "prealloc")
-            await self._until(req, self._alloc(need), None, "prealloc")
+                await self._handshake(req)
+            await self._alloc(need)
             allocated = True
             self.enter(req, "transfer")
             try:
-                header = await self._until(req, asyncio.shield(req.kv_header), self.cfg.waiting_timeout, "transfer")
+                async with asyncio.timeout(self.cfg.waiting_timeout):
+                    header = await asyncio.shield(req.kv_header)
             except TimeoutError:
                 raise EngineError(500, f"decode waited {self.cfg.waiting_timeout}s for KV; none came") from None
             req.next_word()  # the prefill computed the first token; skip it here
@@ -322,7 +326,7 @@ class Engine:
                 self.enter(req, "running")
                 self._running.append(req)
                 self._wake.set()
-                await self._until(req, self._finished(req), None, "running")
+                await self._finished(req)
         finally:
             if req in self._running:
                 self._running.remove(req)

@@ -137,6 +137,38 @@ async def test_abort_race(procs: Procs, http: aiohttp.ClientSession, fixes: str)
         d_leg.cancel()
 
 
+@pytest.mark.parametrize(("role", "queue"), [("prefill", "bootstrap"), ("prefill", "forward"), ("decode", "transfer"),
+                                           ("decode", "running")])
+async def test_abort_ends_the_request_in_every_queue(procs: Procs, http: aiohttp.ClientSession, role: str,
+                                                     queue: str) -> None:
+    """/abort_request reaches a request wherever it waits: it leaves the engine and its answer names the queue."""
+    prefill, decode = procs.pair()
+    if queue == "forward":
+        await set_faults(http, prefill, slow_prefill=30)
+    body = pd_body({**CHAT, "max_tokens": 5000} if queue == "running" else CHAT, prefill, rid=f"ab-{queue}")
+    legs = {"prefill": asyncio.create_task(leg(http, prefill.url + "/v1/chat/completions", body))}
+    if queue != "bootstrap":  # without a decode partner the prefill waits in bootstrap
+        legs["decode"] = asyncio.create_task(leg(http, decode.url + "/v1/chat/completions", body))
+    worker = prefill if role == "prefill" else decode
+    try:
+        if queue == "transfer":
+            await set_faults(http, prefill, slow_prefill=30)  # the KV never comes while we look
+        for _ in range(200):
+            if [r["queue"] for r in await engine_requests(http, worker)] == [queue]:
+                break
+            await asyncio.sleep(0.02)
+        assert [r["queue"] for r in await engine_requests(http, worker)] == [queue]
+        async with http.post(worker.url + "/abort_request", json={"rid": f"ab-{queue}"}) as r:
+            assert r.status == 200
+        status, answer = await asyncio.wait_for(legs[role], 2)
+        assert status == 500 and f"Request aborted in {queue}".encode() in answer, answer
+        assert await engine_requests(http, worker) == []
+    finally:
+        for t in legs.values():
+            t.cancel()
+        await set_faults(http, prefill, slow_prefill=0)
+
+
 async def test_decode_crash_fails_the_prefill_fast(procs: Procs, http: aiohttp.ClientSession) -> None:
     prefill, decode = procs.pair("--fault", "decode_crash=1")
     b = pd_body(CHAT, prefill)
