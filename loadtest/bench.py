@@ -5,15 +5,18 @@
 then measures, in one run and on the same workers: direct (the load generator plays the
 router and sends both legs itself), pdgate, sglang-router PD and, with ``--mini-lb``,
 sglang's Python mini load balancer. For each target and workload it reports requests/s,
-latency percentiles, the target's CPU per request (its process tree, from /proc) and the
-load generator's own CPU share (to show it is not the bottleneck), and each result as a
-ratio to direct. Writes JSON and a PNG.
+latency percentiles, CPU per request (from /proc) of the target (its process tree), of the
+two workers and of the load generator, and each result as a ratio to direct. The three CPU
+figures add up to what a request costs the whole machine; at ``cores × 10⁶ / that`` req/s
+every core is busy, so a result near this bound is CPU-bound, and two targets that are both
+CPU-bound can differ in req/s by at most the ratio of their totals. Writes JSON and a PNG.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -30,6 +33,7 @@ from loadtest.output import pyplot, write
 from loadtest.procs import Proc, cpu_seconds, free_port, wait_http
 
 PING = b'{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}'
+CORES = os.cpu_count() or 1
 WORKLOADS = {"ns16": (16, False), "ns64": (64, False), "s64": (64, True)}
 
 
@@ -67,7 +71,8 @@ def start_targets(stack: Stack, mini_lb: bool, fake: bool = False) -> tuple[dict
                                       "--bootstrap-port", str(bp), "--speed", "0", "--log-level", "WARNING"])
         dec = stack.spawn("decode", [py, "-m", "engine.sim", "--role", "decode", "--port", str(dp), "--speed", "0",
                                      "--log-level", "WARNING"])
-    workers = {"prefill": f"http://127.0.0.1:{pp}", "bootstrap_port": bp, "decode": f"http://127.0.0.1:{dp}"}
+    workers = {"prefill": f"http://127.0.0.1:{pp}", "bootstrap_port": bp, "decode": f"http://127.0.0.1:{dp}",
+               "pids": [pre.pid, dec.pid]}
     wait_http(workers["prefill"] + "/health", proc=pre.popen)
     wait_http(workers["decode"] + "/health", proc=dec.popen)
     targets: dict[str, tuple[str, Proc | None]] = {"direct": ("", None)}
@@ -97,15 +102,20 @@ def measure(workers: dict[str, Any], url: str, proc: Proc | None, conc: int, str
     else:
         args += ["--mode", "direct", "--prefill", workers["prefill"], "--bootstrap-port", str(workers["bootstrap_port"]),
                  "--decode", workers["decode"]]
+    pids = workers.get("pids", [])
     cpu0 = cpu_seconds(proc.pid) if proc else 0.0
+    w0 = sum(cpu_seconds(pid) for pid in pids)
     t0 = time.monotonic()
     res = gen(args)
     total = time.monotonic() - t0
+    n_total = max(res["ok"] * total / max(res["seconds"], 1e-9), 1)  # include warm-up requests in the CPU shares
     if proc is not None:
         cpu = cpu_seconds(proc.pid) - cpu0
-        n_total = res["ok"] * total / max(res["seconds"], 1e-9)  # include warm-up requests in the CPU share
-        res["target_cpu_us_per_req"] = round(cpu / max(n_total, 1) * 1e6, 1)
+        res["target_cpu_us_per_req"] = round(cpu / n_total * 1e6, 1)
         res["target_cpu_share"] = round(cpu / total, 3)
+    if pids:  # what the engines and the load generator cost per request: the rest of the machine's CPU
+        res["workers_cpu_us_per_req"] = round((sum(cpu_seconds(pid) for pid in pids) - w0) / n_total * 1e6, 1)
+    res["generator_cpu_us_per_req"] = round(res["generator_cpu_s"] / n_total * 1e6, 1)
     return res
 
 
@@ -150,17 +160,24 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, 
         base = out[wl].get("direct", {}).get("rps") or 0
         for m in out[wl].values():
             m["rps_vs_direct"] = round(m["rps"] / base, 3) if base else None
+            parts = ("target_cpu_us_per_req", "workers_cpu_us_per_req", "generator_cpu_us_per_req")
+            if "workers_cpu_us_per_req" in m:  # every process of the run: what bounds req/s when the cores are full
+                m["machine_cpu_us_per_req"] = round(sum(m.get(k, 0.0) for k in parts), 1)
+                m["cpu_bound_rps"] = round(CORES * 1e6 / m["machine_cpu_us_per_req"], 1)
     return out
 
 
 def print_table(console: Console, summary: dict[str, dict[str, dict[str, Any]]], title: str) -> None:
     t = Table(title=title)
-    for col in ("workload", "target", "req/s", "vs direct", "p50 ms", "p99 ms", "target CPU µs/req", "gen CPU share", "errors"):
+    for col in ("workload", "target", "req/s", "vs direct", "p50 ms", "p99 ms", "target CPU µs/req", "workers CPU µs/req",
+                "gen CPU µs/req", "all CPU µs/req", "CPU-bound req/s", "errors"):
         t.add_column(col, justify="right")
     for wl, by in summary.items():
         for name, m in by.items():
             t.add_row(wl, name, f"{m['rps']:.0f}", f"{m['rps_vs_direct']:.2f}", f"{m['p50_ms']:.1f}", f"{m['p99_ms']:.1f}",
-                      str(m.get("target_cpu_us_per_req", "-")), f"{m['generator_cpu_share']:.2f}", str(int(m["errors"])))
+                      str(m.get("target_cpu_us_per_req", "-")), str(m.get("workers_cpu_us_per_req", "-")),
+                      str(m.get("generator_cpu_us_per_req", "-")), str(m.get("machine_cpu_us_per_req", "-")),
+                      f"{m['cpu_bound_rps']:.0f}" if "cpu_bound_rps" in m else "-", str(int(m["errors"])))
     console.print(t)
 
 
