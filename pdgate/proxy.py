@@ -43,25 +43,26 @@ ERROR_EVENT = b'data: {"error"'
 
 
 class Bind:
-    """An attempt bound to its two workers and its decode task.
+    """An attempt bound to its two workers and to the task running its decode leg.
 
-    The handler awaits the decode leg directly; anything that ends the attempt early (its
-    prefill failing before the first token, one of its workers lost) records why in
-    ``failure`` and cancels the decode task, which the handler turns back into that error."""
+    The handler runs the decode leg itself (no task of its own); anything that ends the
+    attempt early (its prefill failing before the first token, one of its workers lost)
+    records why in ``failure`` and cancels that task while the leg runs, and the handler
+    turns the cancellation back into that error."""
 
-    __slots__ = ("att", "d_task", "failure", "gw")
+    __slots__ = ("att", "failure", "gw", "task")
 
     def __init__(self, gw: Gateway, att: Attempt) -> None:
         self.gw = gw
         self.att = att
-        self.d_task: asyncio.Task[bytes] | None = None
+        self.task: asyncio.Task[Any] | None = None  # the handler, while it runs the decode leg
         self.failure: BaseException | None = None
 
     def fail(self, exc: BaseException) -> None:
         if self.failure is None:
             self.failure = exc
-            if self.d_task is not None:
-                self.d_task.cancel()
+            if self.task is not None:
+                self.task.cancel()
 
     def lose(self, reason: str) -> None:
         self.fail(WorkerLost(f"attempt {self.att.n} lost its worker: {reason}", role="",
@@ -282,20 +283,23 @@ async def run_attempt(ctx: Ctx, att: Attempt, bind: Bind, pw: Worker, dw: Worker
     loop = asyncio.get_running_loop()
     att.event(gw.now(), "sent")
     p_task = loop.create_task(prefill_leg(ctx, att, pw, payload, bind))
-    d_task = bind.d_task = loop.create_task(decode_leg(ctx, att, dw, payload))
     p_task.add_done_callback(bind.prefill_done)
     gw.move(rec, Phase.PREFILL)
+    task = asyncio.current_task()
+    assert task is not None
     ok = False
     try:
         if bind.failure is not None:  # a worker was lost between binding and here
             raise bind.failure
+        bind.task = task
         try:
-            body = await d_task
+            body = await decode_leg(ctx, att, dw, payload)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if bind.failure is not None and task is not None and not task.cancelling():
+            if bind.failure is not None and task.uncancel() == 0:  # only the bind's cancel: not the client, no deadline
                 raise bind.failure from None
             raise
+        finally:
+            bind.task = None  # the leg is over: a later failure must not cancel the rest of the handler
         if ctx.merge_logprobs:
             body = merge_logprobs(await p_task, body)
         ok = True
@@ -304,7 +308,6 @@ async def run_attempt(ctx: Ctx, att: Attempt, bind: Bind, pw: Worker, dw: Worker
     finally:
         if not ok:
             p_task.cancel()
-            d_task.cancel()
             names = {e[1] for e in att.events}
             gw.abort_leg(att, pw, "prefill_done" in names)
             gw.abort_leg(att, dw, "decode_headers" in names)
