@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -15,8 +16,32 @@ ROOT = Path(__file__).resolve().parent.parent
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A free port for a server we are about to start, chosen below the kernel's ephemeral range.
+
+    A port from ``bind(0)`` is an ephemeral one: between this check and the child's own bind,
+    any outgoing connection (a worker's KV or bootstrap link, a load generator) may take it,
+    and the child dies with "address already in use" (seen in CI-like runs). Ports below the
+    range are never handed out to outgoing connections."""
+    lo, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(100):
+        port = rng.randrange(max(1024, lo - 12000), lo)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range below is crowded: fall back to the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
