@@ -7,7 +7,7 @@ router and sends both legs itself), pdgate, sglang-router PD and, with ``--mini-
 sglang's Python mini load balancer. For each target and workload it reports requests/s,
 latency percentiles, CPU per request (from /proc) of the target (its process tree), of the
 two workers and of the load generator, and each result as a ratio to direct. The three CPU
-figures add up to what a request costs the whole machine; at ``cores × 10⁶ / that`` req/s
+figures add up to what a request costs the whole machine; at ``cores * 1e6 / that`` req/s
 every core is busy, so a result near this bound is CPU-bound, and two targets that are both
 CPU-bound can differ in req/s by at most the ratio of their totals. Writes JSON and a PNG.
 """

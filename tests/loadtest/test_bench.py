@@ -51,3 +51,8 @@ def test_compare_on_fake_workers_serves_every_target(tmp_path: Path) -> None:
         for target in ("direct", "pdgate", "sglang-router"):
             m = res["results"][wl][target]
             assert m["ok"] > 100 and m["errors"] == 0, (wl, target, m)
+            # every process's CPU per request is counted, and the parts add up to the machine total
+            parts = [m.get("target_cpu_us_per_req", 0.0), m["workers_cpu_us_per_req"], m["generator_cpu_us_per_req"]]
+            assert m["workers_cpu_us_per_req"] > 0 and m["generator_cpu_us_per_req"] > 0, m
+            assert abs(sum(parts) - m["machine_cpu_us_per_req"]) < 1, m
+            assert m["cpu_bound_rps"] > 0, m
