@@ -188,16 +188,28 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     wls = list(summary)
     names = list(next(iter(summary.values())))
     names = [n for n in names if all(n in summary[w] for w in wls)]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    machine = all("machine_cpu_us_per_req" in summary[w][n] for w in wls for n in names)
+    fig, axes = plt.subplots(1, 3 if machine else 2, figsize=(16 if machine else 11, 4))
     width = 0.8 / len(names)
+    titles = ["requests/s (higher is better)", "target CPU µs per request (lower is better)"]
     for i, n in enumerate(names):
         xs = [j + i * width for j in range(len(wls))]
         axes[0].bar(xs, [summary[w][n]["rps"] for w in wls], width, label=n)
         axes[1].bar(xs, [summary[w][n].get("target_cpu_us_per_req", 0) for w in wls], width, label=n)
-    for ax, title in zip(axes, ("requests/s (higher is better)", "target CPU µs per request (lower is better)"), strict=True):
+    if machine:  # what a request costs the whole machine, stacked: target, workers, load generator
+        titles.append("all processes' CPU µs per request (target / workers / generator)")
+        for i, n in enumerate(names):
+            xs = [j + i * width for j in range(len(wls))]
+            bottom = [0.0] * len(wls)
+            for key, shade in (("target_cpu_us_per_req", 1.0), ("workers_cpu_us_per_req", 0.6),
+                               ("generator_cpu_us_per_req", 0.3)):
+                vals = [summary[w][n].get(key, 0.0) for w in wls]
+                axes[2].bar(xs, vals, width, bottom=bottom, color=f"C{i}", alpha=shade)
+                bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    for ax, title in zip(axes, titles, strict=True):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(wls))], wls)
-        ax.set_title(title)
-    axes[0].legend()
+        ax.set_title(title, fontsize=9)
+    axes[0].legend(fontsize=8, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
