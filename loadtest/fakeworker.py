@@ -6,7 +6,7 @@ info, loads, abort, the three generate routes). The decode answers non-streamed 
 with one OpenAI body and streamed ones with ``max_tokens`` SSE events then ``[DONE]``,
 written back to back. This is the "zero-cost fake worker" setting of
 ``../shared/reference/peers.md``, where the gateway, not the workers, bounds throughput;
-it runs on the h1 HTTP layer (as engine.sim does) because an aiohttp worker would cost more than the
+it runs on the h1lite HTTP layer (as engine.sim does) because an aiohttp worker would cost more than the
 gateways under test.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 import uvloop
 
-from h1.server import Request, Response, Router, Server, Stream, json_response
+from h1lite.server import Request, Response, Router, Server, Stream, json_response
 
 MODEL = "sim-model"
 

@@ -1,6 +1,6 @@
 """Errors the gateway answers with, each mapped to an OpenAI error object in one place.
 
-    GatewayError (h1.errors.HTTPError) 500 internal_error
+    GatewayError (h1lite.errors.HTTPError) 500 internal_error
     ├── BadRequest                     400 invalid_request_error
     │   ├── InvalidJSON                400 invalid_json
     │   ├── InvalidField               400 invalid_value (param names the field)
@@ -22,10 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 # the root and two leaves live in the HTTP layer, which raises them itself
-from h1.errors import HTTPError
-from h1.errors import NotFound as NotFound
-from h1.errors import PayloadTooLarge as PayloadTooLarge
-from h1.errors import error_json as error_json
+from h1lite.errors import HTTPError
+from h1lite.errors import NotFound as NotFound
+from h1lite.errors import PayloadTooLarge as PayloadTooLarge
+from h1lite.errors import error_json as error_json
 
 GatewayError = HTTPError
 

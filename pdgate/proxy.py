@@ -15,8 +15,8 @@ from typing import Any
 
 import orjson
 
-from h1.client import Response as UpstreamResponse
-from h1.server import ClientGone, Request, Response, Stream
+from h1lite.client import Response as UpstreamResponse
+from h1lite.server import ClientGone, Request, Response, Stream
 from pdgate import deadlines, protocol, validation
 from pdgate.errors import (
     Aborted,

@@ -1,4 +1,4 @@
-"""The application: front routes (OpenAI + SGLang native), admin API, lifecycle (on ``h1.server``)."""
+"""The application: front routes (OpenAI + SGLang native), admin API, lifecycle (on ``h1lite.server``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any, Protocol
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from h1.server import Request, Response, Router, Server, Stream, json_response
+from h1lite.server import Request, Response, Router, Server, Stream, json_response
 from pdgate import health, proxy, reconcile, traces, validation
 from pdgate.config import ConfigError, GatewayConfig, WorkerSpec, parse_prefill_flag, validate_worker
 from pdgate.errors import BadRequest, NotFound

@@ -1,4 +1,4 @@
-"""The client side: pooled keep-alive connections to all engines (``h1.client``); aborts; small GETs.
+"""The client side: pooled keep-alive connections to all engines (``h1lite.client``); aborts; small GETs.
 
 Upstream client errors are wrapped once, here, into ``pdgate.errors``.
 """
@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from h1.client import Client, ConnectFailed, Exchange
+from h1lite.client import Client, ConnectFailed, Exchange
 from pdgate import protocol
 from pdgate.errors import UpstreamConnectError, UpstreamError
 

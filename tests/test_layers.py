@@ -1,4 +1,4 @@
-"""Dependency direction (DESIGN.md): h1 knows neither side; engine imports only pdgate's wire constants."""
+"""Dependency direction (DESIGN.md): h1lite knows neither side; engine imports only pdgate's wire constants."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ def loaded_after(imports: str) -> set[str]:
     return set(out.stdout.split())
 
 
-def test_h1_imports_neither_pdgate_nor_engine() -> None:
-    mods = loaded_after("import h1.server, h1.client, h1.errors")
+def test_h1lite_imports_neither_pdgate_nor_engine() -> None:
+    mods = loaded_after("import h1lite.server, h1lite.client, h1lite.errors")
     assert not {m for m in mods if m.split(".")[0] in ("pdgate", "engine")}
 
 

@@ -22,7 +22,7 @@ async def serve(cfg: SimConfig) -> None:
     servers = [(build_server(engine), cfg.port)]
     if cfg.role == "prefill":
         servers.append((build_bootstrap_server(engine), cfg.bootstrap_port))
-    for server, port in servers:  # h1 cancels a handler whose client leaves, as aiohttp's handler_cancellation
+    for server, port in servers:  # h1lite cancels a handler whose client leaves, as aiohttp's handler_cancellation
         await server.start(cfg.host, port)
     log.info("sim %s worker ready on http://%s:%d (bootstrap %s) fixes=%s faults=%s identity=%s",
              cfg.role, cfg.host, cfg.port, cfg.bootstrap_port if cfg.role == "prefill" else "-",

@@ -21,7 +21,7 @@ from engine.sim import metrics
 from engine.sim.config import FIXES, SimConfig, parse_fixes
 from engine.sim.text import chat_prompt, token_ids, token_logprob
 from engine.sim.worker import Engine, EngineError, SimRequest, make_request
-from h1.server import Request, Response, Router, Server, Stream
+from h1lite.server import Request, Response, Router, Server, Stream
 from pdgate import protocol as p
 
 log = logging.getLogger("engine.sim.server")

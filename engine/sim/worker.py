@@ -25,7 +25,7 @@ import orjson
 from engine.sim import kv
 from engine.sim.config import SimConfig
 from engine.sim.text import count_tokens, words
-from h1.client import Client
+from h1lite.client import Client
 
 log = logging.getLogger("engine.sim")
 T = TypeVar("T")

@@ -11,8 +11,8 @@ from typing import Any
 import orjson
 import pytest
 
-from h1.client import Client, ConnectFailed, UpstreamClosed
-from h1.server import Request, Response, Router, Server, Stream
+from h1lite.client import Client, ConnectFailed, UpstreamClosed
+from h1lite.server import Request, Response, Router, Server, Stream
 from tests.pdgate.harness import make_config, start_gateway
 from tests.procs import Procs, free_port, wait_http
 

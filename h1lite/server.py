@@ -28,9 +28,9 @@ from urllib.parse import parse_qsl, unquote
 import httptools
 import orjson
 
-from h1.errors import HTTPError, NotFound, PayloadTooLarge, ProtocolError, error_json
+from h1lite.errors import HTTPError, NotFound, PayloadTooLarge, ProtocolError, error_json
 
-log = logging.getLogger("h1.server")
+log = logging.getLogger("h1lite.server")
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_PIPELINED = 32  # requests queued behind the one being answered; beyond this the connection is not read
