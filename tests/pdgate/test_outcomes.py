@@ -15,6 +15,7 @@ import openai
 import orjson
 import pytest
 
+from pdgate.config import ReconcileConfig
 from tests.engine.simclient import engine_requests, set_faults
 from tests.pdgate.harness import Running, assert_clean, make_config, start_gateway, worker_id
 from tests.procs import Procs, Sim
@@ -85,6 +86,29 @@ async def test_generate_native_with_logprobs_merged(procs: Procs, http: aiohttp.
     assert meta["completion_tokens"] == 3
     assert len(meta["input_token_logprobs"]) == 3  # the prefill's list, merged in front of decode's (empty)
     await assert_clean(http, g.gw, [p, d])
+
+
+@pytest.mark.parametrize("abort_legs", [True, False])
+async def test_prefill_silent_after_decode_finished_is_aborted(procs: Procs, http: aiohttp.ClientSession,
+                                                               gateways: list[Any], abort_legs: bool) -> None:
+    """The client has its answer but the prefill leg never answered (its KV acknowledgement was lost):
+    after ``prefill_grace_s`` the gateway aborts it. Without that abort it stays pinned in the inflight queue."""
+    p, d = procs.pair("--fixes", "none")  # no inflight watchdog in the engine: only the gateway can free it
+    await set_faults(http, d, ack_loss=True)  # decode takes the KV and finishes, prefill waits for the ack forever
+    g = await gateway(gateways, [p], [d], prefill_grace_s=0.5, abort_legs=abort_legs,
+                      reconcile=ReconcileConfig(enabled=False))
+    status, body, rid = await post(http, g, CHAT)
+    assert status == 200 and body["usage"]["completion_tokens"] == 8
+    if abort_legs:
+        await assert_clean(http, g.gw, [p, d], within=0.5 + 2)
+        events = [(e["event"], e.get("info")) for e in (await trace(http, g, rid))["attempts"][0]["events"]]
+        names = [n for n, _ in events]
+        assert "prefill_orphaned" in names and ("abort_sent", "prefill") in events, events
+        assert ("abort_acked", "prefill: ok") in events, events
+    else:
+        await asyncio.sleep(2.5)
+        assert [r["queue"] for r in await engine_requests(http, p)] == ["inflight"]
+        assert "prefill_orphaned" in {e["event"] for e in (await trace(http, g, rid))["attempts"][0]["events"]}
 
 
 @pytest.mark.parametrize("abort_legs", [True, False])
