@@ -9,7 +9,7 @@ import aiohttp
 import aiohttp.web
 import pytest
 
-from pdgate.config import HealthConfig
+from pdgate.config import BreakerConfig, HealthConfig
 from tests.engine.simclient import engine_requests, set_faults
 from tests.pdgate.harness import assert_clean, worker_id
 from tests.pdgate.test_outcomes import CHAT, LONG_CHAT, STALL, gateway, post, trace
@@ -88,6 +88,35 @@ async def test_no_healthy_pair(procs: Procs, http: aiohttp.ClientSession, gatewa
     async with http.get(g.url + "/health") as r:
         assert r.status == 200
     await assert_clean(http, g.gw, [p])
+
+
+@pytest.mark.parametrize("breaker_on", [True, False])
+async def test_breaker_stops_sending_to_a_failing_prefill(procs: Procs, http: aiohttp.ClientSession, gateways: list[Any],
+                                                          breaker_on: bool) -> None:
+    """A prefill that answers 500 to everything but passes /health: after ``breaker.failures`` failures its
+    breaker opens and it gets no more requests for the cooldown. Without the breaker (a threshold nobody
+    reaches) every other request is first sent to it and must be retried."""
+    bad, good, d = procs.sim("prefill"), procs.sim("prefill"), procs.sim("decode")
+    await set_faults(http, bad, http_500_rate=1.0)
+    g = await gateway(gateways, [bad, good], [d], policy="round_robin",
+                      breaker=BreakerConfig(failures=2 if breaker_on else 10_000, cooldown_s=60))
+    rids = []
+    for _ in range(20):
+        status, _, rid = await post(http, g, CHAT)
+        assert status == 200  # the retry on the other prefill hides the failure from the client
+        rids.append(rid)
+    on_bad = 0
+    for rid in rids:
+        on_bad += sum(a["prefill"] == worker_id(g.gw, bad) for a in (await trace(http, g, rid))["attempts"])
+    async with http.get(g.url + "/v1/workers") as r:
+        states = {w["id"]: w["breaker"] for w in (await r.json())["workers"]}
+    if breaker_on:
+        assert on_bad == 2, on_bad
+        assert states[worker_id(g.gw, bad)] == "open" and states[worker_id(g.gw, good)] == "closed"
+    else:
+        assert on_bad >= 9, on_bad  # round robin keeps choosing it
+        assert states[worker_id(g.gw, bad)] == "closed"
+    await assert_clean(http, g.gw, [bad, good, d])
 
 
 class PlainSGLang:
