@@ -10,10 +10,12 @@ from pathlib import Path
 import pytest
 
 from pdgate import config, deadlines, policies
-from pdgate.config import Budgets, DeadlineConfig
+from pdgate.config import BreakerConfig, Budgets, DeadlineConfig
 from pdgate.errors import InvalidDeadline, InvalidField, UpstreamStatus
 from pdgate.record import ALLOWED, TERMINAL, IllegalTransition, Phase, Record, transition
+from pdgate.traces import Traces
 from pdgate.validation import validate
+from pdgate.workers import Breaker, CircuitBreaker
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -135,3 +137,33 @@ def test_validation_and_error_mapping() -> None:
     assert UpstreamStatus("x", role="decode", worker="d0", upstream_status=429).retryable
     assert not UpstreamStatus("x", role="decode", worker="d0", upstream_status=404).retryable
     assert UpstreamStatus("x", role="decode", worker="d0", upstream_status=503).status == 502
+
+
+def test_circuit_breaker_opens_cools_down_and_probes_once() -> None:
+    b = CircuitBreaker(BreakerConfig(failures=3, cooldown_s=10))
+    b.failure(0.0)
+    b.failure(1.0)
+    assert b.allow(1.0) and b.state is Breaker.CLOSED
+    b.failure(2.0)
+    assert b.state is Breaker.OPEN and not b.allow(2.0) and not b.allow(11.9)
+    assert b.allow(12.0) and b.state is Breaker.HALF_OPEN  # cooled down: one probe
+    b.on_dispatch()
+    assert not b.allow(12.1)  # a second request waits for the probe's answer
+    b.failure(13.0)  # the probe failed: open again, for a full cooldown
+    assert b.state is Breaker.OPEN and not b.allow(22.9) and b.allow(23.0)
+    b.on_dispatch()
+    b.success()
+    assert b.state is Breaker.CLOSED and b.failures == 0 and b.allow(23.1)
+
+
+def test_finished_traces_are_a_bounded_ring() -> None:
+    t = Traces(ring_size=5)
+    recs = [Record(id=f"pdg-{i}", route="/generate", model=None, stream=False, created=float(i), created_wall=0,
+                   deadlines=rec().deadlines) for i in range(12)]
+    for r in recs:
+        t.add(r)
+    assert len(t.live) == 12
+    for r in recs:
+        t.finish(r)
+    assert not t.live and list(t.finished) == [f"pdg-{i}" for i in range(7, 12)]  # the newest five, oldest first
+    assert t.get("pdg-6") is None and t.get("pdg-11") is recs[11]
