@@ -267,6 +267,32 @@ class Engine:
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 
+@pytest.mark.parametrize("keepalive_s", [0.4, 60.0])
+async def test_idle_and_half_sent_connections_are_reaped(keepalive_s: float) -> None:
+    """A connection that sends nothing, or half a request and then nothing (slowloris), is closed after
+    ``keepalive_s``; with a long keep-alive both are still open when we look."""
+    f = Front()
+    f.server.keepalive_s = keepalive_s
+    await f.server.start("127.0.0.1", f.port)
+    try:
+        idle = await asyncio.open_connection("127.0.0.1", f.port)
+        half = await asyncio.open_connection("127.0.0.1", f.port)
+        half[1].write(b"GET /fast HTTP/1.1\r\nHost: x\r\n")  # no blank line: the request never completes
+        await asyncio.sleep(1.2)
+        assert len(f.server.conns) == (0 if keepalive_s < 1 else 2)
+        closed = []
+        for r, w in (idle, half):
+            try:
+                async with asyncio.timeout(0.2):
+                    closed.append(await r.read(1) == b"")
+            except TimeoutError:
+                closed.append(False)
+            w.close()
+        assert closed == ([True, True] if keepalive_s < 1 else [False, False])
+    finally:
+        await f.server.close()
+
+
 async def test_client_reuses_connections_and_replaces_closed_ones() -> None:
     client = Client(connect_timeout_s=1.0)
     async with Engine(OK) as eng:
