@@ -15,7 +15,7 @@ import openai
 import orjson
 import pytest
 
-from pdgate.config import ReconcileConfig
+from pdgate.config import HealthConfig, ReconcileConfig
 from tests.engine.simclient import engine_requests, set_faults
 from tests.pdgate.harness import Running, assert_clean, make_config, start_gateway, worker_id
 from tests.procs import Procs, Sim
@@ -86,6 +86,32 @@ async def test_generate_native_with_logprobs_merged(procs: Procs, http: aiohttp.
     assert meta["completion_tokens"] == 3
     assert len(meta["input_token_logprobs"]) == 3  # the prefill's list, merged in front of decode's (empty)
     await assert_clean(http, g.gw, [p, d])
+
+
+@pytest.mark.parametrize("abort_timeout_s", [0.5, 1000.0])
+async def test_aborts_to_a_frozen_worker_give_up(procs: Procs, http: aiohttp.ClientSession, gateways: list[Any],
+                                                 abort_timeout_s: float) -> None:
+    """A decode that answers nothing (frozen, sockets open) also answers no /abort_request. Each abort call
+    gives up after ``abort_timeout_s``, is recorded on the trace as an error, and the gateway holds no
+    pending work for it; with no such bound the abort calls (and their connections) hang on."""
+    p, d = procs.pair()
+    g = await gateway(gateways, [p], [d], abort_timeout_s=abort_timeout_s,
+                      health=HealthConfig(interval_s=30, timeout_s=0.5, failures=2, degraded_after_s=30))
+    await set_faults(http, d, decode_freeze=True)
+    try:
+        status, body, rid = await post(http, g, CHAT, headers={"x-pdgate-ttft-timeout": "1"})
+        assert status == 504 and body["error"]["code"] == "deadline_exceeded"
+        await asyncio.sleep(0.5 + 0.25 + 0.5 + 1.0 + 0.5 + 0.5)  # three aborts to decode (first + 2 repeats), each bounded
+        events = [(e["event"], e.get("info")) for e in (await trace(http, g, rid))["attempts"][0]["events"]]
+        if abort_timeout_s < 1:
+            assert events.count(("abort_error", "decode: TimeoutError")) == 3, events
+            assert not g.gw.background, g.gw.background
+        else:
+            assert ("abort_error", "decode: TimeoutError") not in events
+            assert any(not t.done() for t in g.gw.background)  # still waiting on the frozen worker
+    finally:
+        await set_faults(http, d, decode_freeze=False)
+    await assert_clean(http, g.gw, [p, d], within=3)
 
 
 @pytest.mark.parametrize("abort_legs", [True, False])
