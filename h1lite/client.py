@@ -1,4 +1,5 @@
-"""A lean HTTP/1.1 client for the engine legs: asyncio protocols, httptools (llhttp) parsing.
+"""A lean HTTP/1.1 client for pdgate's engine legs (and the sim decode's bootstrap handshake): asyncio
+protocols, httptools (llhttp) parsing.
 
 aiohttp's client costs ~110 µs of CPU per request on this kind of machine, and a PD request
 makes two; this one does what the legs need and nothing more: pooled keep-alive connections

@@ -1,4 +1,4 @@
-"""A lean HTTP/1.1 server for the front door: asyncio protocols, httptools (llhttp) parsing.
+"""A lean HTTP/1.1 server: pdgate's front door and the sims' HTTP surface; asyncio protocols, httptools parsing.
 
 aiohttp's server costs ~200 µs of CPU per request on this kind of machine, more than the
 whole budget pdgate has for a PD request. This one keeps what a gateway needs: keep-alive
