@@ -101,7 +101,7 @@ async def test_aborts_to_a_frozen_worker_give_up(procs: Procs, http: aiohttp.Cli
     try:
         status, body, rid = await post(http, g, CHAT, headers={"x-pdgate-ttft-timeout": "1"})
         assert status == 504 and body["error"]["code"] == "deadline_exceeded"
-        await asyncio.sleep(0.5 + 0.25 + 0.5 + 1.0 + 0.5 + 0.5)  # three aborts to decode (first + 2 repeats), each bounded
+        await asyncio.sleep(0.5 + 0.25 + 0.5 + 1.0 + 0.5 + 1.0)  # three aborts to decode (first + 2 repeats), each bounded, + slack
         events = [(e["event"], e.get("info")) for e in (await trace(http, g, rid))["attempts"][0]["events"]]
         if abort_timeout_s < 1:
             assert events.count(("abort_error", "decode: TimeoutError")) == 3, events
