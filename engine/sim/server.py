@@ -12,7 +12,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from typing import Any
 
 import orjson
@@ -21,14 +21,13 @@ from engine.sim import metrics
 from engine.sim.config import FIXES, SimConfig, parse_fixes
 from engine.sim.text import chat_prompt, token_ids, token_logprob
 from engine.sim.worker import Engine, EngineError, SimRequest, make_request
-from h1lite.server import Request, Response, Router, Server, Stream
+from h1lite.server import Handler, Request, Response, Router, Server, Stream
 from pdgate import protocol as p
 
 log = logging.getLogger("engine.sim.server")
 UNSUPPORTED = ("best_of", "suffix", "echo", "logit_bias", "tools", "functions")
 MAX_BODY = 256 * 1024 * 1024
 SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-Handler = Callable[[Request], Awaitable["Response | Stream"]]
 
 
 def error(status: int, message: str, kind: str = "BadRequestError") -> Response:
