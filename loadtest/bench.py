@@ -4,7 +4,10 @@
 ``--workers fake``, zero-cost fake workers that answer at once) once,
 then measures, in one run and on the same workers: direct (the load generator plays the
 router and sends both legs itself), pdgate, sglang-router PD and, with ``--mini-lb``,
-sglang's Python mini load balancer. For each target and workload it reports requests/s,
+sglang's Python mini load balancer. Workloads: closed loops at 16 and 64 connections (the most
+each target serves) and open loops at 200 requests/s (Poisson arrivals, far below every
+target's capacity: the latency a gateway adds over direct, without queueing for the CPU).
+For each target and workload it reports requests/s,
 latency percentiles, CPU per request (from /proc) of the target (its process tree), of the
 two workers and of the load generator, and each result as a ratio to direct. The three CPU
 figures add up to what a request costs the whole machine; at ``cores * 1e6 / that`` req/s
@@ -34,7 +37,10 @@ from loadtest.procs import Proc, cpu_seconds, free_port, wait_http
 
 PING = b'{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}'
 CORES = os.cpu_count() or 1
-WORKLOADS = {"ns16": (16, False), "ns64": (64, False), "s64": (64, True)}
+# name -> (connections, streaming, rate): closed loops find the most each target serves; the paced ones
+# (open loop, Poisson arrivals, far below every target's capacity) show the latency a gateway adds
+WORKLOADS = {"ns16": (16, False, 0.0), "ns64": (64, False, 0.0), "s64": (64, True, 0.0),
+             "ns200rps": (0, False, 200.0), "s200rps": (0, True, 200.0)}
 
 
 def gen(args: list[str]) -> dict[str, Any]:
@@ -130,10 +136,10 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
         with Progress(console=console) as bar:
             job = bar.add_task("bench", total=len(runs))
             for wl, name, rep in runs:
-                conc, stream = WORKLOADS[wl]
+                conc, stream, rate = WORKLOADS[wl]
                 bar.update(job, description=f"{wl} {name} #{rep + 1}")
                 url, proc = targets[name]
-                res = measure(workers, url, proc, conc, stream, a.duration)
+                res = measure(workers, url, proc, conc, stream, a.duration, rate)
                 results.setdefault(wl, {}).setdefault(name, []).append(res)
                 bar.advance(job)
     finally:
@@ -157,9 +163,13 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, 
         for name, runs in by_target.items():
             keys = [k for k in runs[0] if isinstance(runs[0][k], (int, float))]
             out[wl][name] = {k: round(statistics.median(r[k] for r in runs), 3) for k in keys}
-        base = out[wl].get("direct", {}).get("rps") or 0
+        direct = out[wl].get("direct", {})
+        base = direct.get("rps") or 0
         for m in out[wl].values():
             m["rps_vs_direct"] = round(m["rps"] / base, 3) if base else None
+            for k in ("p50_ms", "p99_ms", "ttft_p50_ms"):  # latency added over direct (meaningful when paced)
+                if k in direct:
+                    m[k.replace("_ms", "_added_ms")] = round(m[k] - direct[k], 3)
             parts = ("target_cpu_us_per_req", "workers_cpu_us_per_req", "generator_cpu_us_per_req")
             if "workers_cpu_us_per_req" in m:  # every process of the run: what bounds req/s when the cores are full
                 m["machine_cpu_us_per_req"] = round(sum(m.get(k, 0.0) for k in parts), 1)
@@ -169,12 +179,14 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, 
 
 def print_table(console: Console, summary: dict[str, dict[str, dict[str, Any]]], title: str) -> None:
     t = Table(title=title)
-    for col in ("workload", "target", "req/s", "vs direct", "p50 ms", "p99 ms", "target CPU µs/req", "workers CPU µs/req",
-                "gen CPU µs/req", "all CPU µs/req", "CPU-bound req/s", "errors"):
+    for col in ("workload", "target", "req/s", "vs direct", "p50 ms", "p99 ms", "p50 +ms over direct", "ttft p50 ms",
+                "target CPU µs/req", "workers CPU µs/req", "gen CPU µs/req", "all CPU µs/req", "CPU-bound req/s", "errors"):
         t.add_column(col, justify="right")
     for wl, by in summary.items():
         for name, m in by.items():
+            added = f"{m['p50_added_ms']:+.1f}" if "p50_added_ms" in m and name != "direct" else "-"
             t.add_row(wl, name, f"{m['rps']:.0f}", f"{m['rps_vs_direct']:.2f}", f"{m['p50_ms']:.1f}", f"{m['p99_ms']:.1f}",
+                      added, f"{m['ttft_p50_ms']:.1f}",
                       str(m.get("target_cpu_us_per_req", "-")), str(m.get("workers_cpu_us_per_req", "-")),
                       str(m.get("generator_cpu_us_per_req", "-")), str(m.get("machine_cpu_us_per_req", "-")),
                       f"{m['cpu_bound_rps']:.0f}" if "cpu_bound_rps" in m else "-", str(int(m["errors"])))

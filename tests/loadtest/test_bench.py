@@ -42,12 +42,12 @@ def test_compare_on_fake_workers_serves_every_target(tmp_path: Path) -> None:
     """The zero-cost fake workers speak enough SGLang for direct, pdgate and the real sglang-router."""
     out = tmp_path / "fake.json"
     r = subprocess.run([sys.executable, "-m", "loadtest", "bench", "--compare", "--workers", "fake", "--workloads", "s64",
-                        "ns16", "--duration", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                        "ns16", "ns200rps", "--duration", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["workers"] == "fake"
-    for wl in ("s64", "ns16"):
+    for wl in ("s64", "ns16", "ns200rps"):
         for target in ("direct", "pdgate", "sglang-router"):
             m = res["results"][wl][target]
             assert m["ok"] > 100 and m["errors"] == 0, (wl, target, m)
@@ -56,3 +56,7 @@ def test_compare_on_fake_workers_serves_every_target(tmp_path: Path) -> None:
             assert m["workers_cpu_us_per_req"] > 0 and m["generator_cpu_us_per_req"] > 0, m
             assert abs(sum(parts) - m["machine_cpu_us_per_req"]) < 1, m
             assert m["cpu_bound_rps"] > 0, m
+    paced = res["results"]["ns200rps"]
+    for target in ("direct", "pdgate", "sglang-router"):  # open loop: about the asked rate, whatever the target
+        assert 120 <= paced[target]["rps"] <= 280, paced[target]
+    assert paced["pdgate"]["p50_added_ms"] == round(paced["pdgate"]["p50_ms"] - paced["direct"]["p50_ms"], 3)
