@@ -55,7 +55,7 @@ def test_compare_on_fake_workers_serves_every_target(tmp_path: Path) -> None:
             parts = [m.get("target_cpu_us_per_req", 0.0), m["workers_cpu_us_per_req"], m["generator_cpu_us_per_req"]]
             assert m["workers_cpu_us_per_req"] > 0 and m["generator_cpu_us_per_req"] > 0, m
             assert abs(sum(parts) - m["machine_cpu_us_per_req"]) < 1, m
-            assert m["cpu_bound_rps"] > 0, m
+            assert (m["cpu_bound_rps"] > 0) if wl != "ns200rps" else ("cpu_bound_rps" not in m), m
     paced = res["results"]["ns200rps"]
     for target in ("direct", "pdgate", "sglang-router"):  # open loop: about the asked rate, whatever the target
         assert 120 <= paced[target]["rps"] <= 280, paced[target]
