@@ -202,7 +202,9 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     names = list(next(iter(summary.values())))
     names = [n for n in names if all(n in summary[w] for w in wls)]
     machine = all("machine_cpu_us_per_req" in summary[w][n] for w in wls for n in names)
-    fig, axes = plt.subplots(1, 3 if machine else 2, figsize=(16 if machine else 11, 4))
+    paced = [w for w in wls if WORKLOADS.get(w, (0, False, 0.0))[2] and "direct" in summary[w]]
+    panels = 2 + machine + bool(paced)
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
     width = 0.8 / len(names)
     titles = ["requests/s (higher is better)", "target CPU µs per request (lower is better)"]
     for i, n in enumerate(names):
@@ -219,7 +221,18 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
                 vals = [summary[w][n].get(key, 0.0) for w in wls]
                 axes[2].bar(xs, vals, width, bottom=bottom, color=f"C{i}", alpha=shade)
                 bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    for ax, title in zip(axes, titles, strict=True):
+    if paced:  # what each gateway adds over direct where nobody queues for the CPU: p50 solid, p99 light
+        ax = axes[-1]
+        others = [n for n in names if n != "direct"]
+        w2 = 0.8 / len(others)
+        for i, n in enumerate(others):
+            xs = [j + i * w2 for j in range(len(paced))]
+            color = f"C{names.index(n)}"
+            ax.bar(xs, [summary[w][n]["p99_added_ms"] for w in paced], w2, color=color, alpha=0.35)
+            ax.bar(xs, [summary[w][n]["p50_added_ms"] for w in paced], w2, color=color)
+        ax.set_xticks([j + 0.4 - w2 / 2 for j in range(len(paced))], paced)
+        ax.set_title("ms added over direct, paced (p50 solid, p99 light)", fontsize=9)
+    for ax, title in zip(axes, titles, strict=False):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(wls))], wls)
         ax.set_title(title, fontsize=9)
     axes[0].legend(fontsize=8, loc="lower left")
