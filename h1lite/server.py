@@ -183,6 +183,10 @@ class Router:
                             "method_not_allowed")
         return handler
 
+    async def dispatch(self, req: Request) -> Response | Stream:
+        """Run the handler for ``req``: what a ``Server`` calls when routing is all it needs."""
+        return await self.resolve(req)(req)
+
 
 class Server:
     """Owns the listening socket, the connections and their reaper."""

@@ -74,12 +74,7 @@ def build(role: str) -> Router:
 
 
 async def main(a: argparse.Namespace) -> None:
-    router = build(a.role)
-
-    async def dispatch(req: Request) -> Response | Stream:
-        return await router.resolve(req)(req)
-
-    server = Server(dispatch, 64 << 20)
+    server = Server(build(a.role).dispatch, 64 << 20)
     await server.start("127.0.0.1", a.port)
     try:
         await asyncio.Event().wait()

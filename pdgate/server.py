@@ -211,14 +211,11 @@ class App:
             self.router.add("POST", route, functools.partial(self.generate, route))
         for method, path, handler in ROUTES:
             self.router.add(method, path, functools.partial(handler, self))
-        self.server = Server(self.dispatch, cfg.max_body_bytes)
+        self.server = Server(self.router.dispatch, cfg.max_body_bytes)
 
     async def generate(self, route: str, request: Request) -> Response | Stream:
         ctx = proxy.admit(self.gw, request, route)
         return await proxy.serve(ctx)
-
-    async def dispatch(self, request: Request) -> Response | Stream:
-        return await self.router.resolve(request)(request)
 
     def start_health(self, wid: str) -> None:
         self.health_tasks[wid] = asyncio.get_running_loop().create_task(health.run(self.gw, self.gw.pool.by_id[wid]))

@@ -373,7 +373,7 @@ def build_server(engine: Engine) -> Server:
     async def dispatch(request: Request) -> Response | Stream:
         if request.path != p.EXT_FAULTS_PATH:  # a frozen decode answers nothing (sockets stay open) but this
             await engine.unfrozen.wait()
-        return await router.resolve(request)(request)
+        return await router.dispatch(request)
 
     return Server(dispatch, MAX_BODY)
 
@@ -400,8 +400,4 @@ def build_bootstrap_server(engine: Engine) -> Server:
     r.add("POST", "/register_room", register_room)
     r.add("POST", "/register_dp_rank", ok)
     r.add("GET", "/query_dp_ranks", ok)
-
-    async def dispatch(request: Request) -> Response | Stream:
-        return await r.resolve(request)(request)
-
-    return Server(dispatch, 1 << 20)
+    return Server(r.dispatch, 1 << 20)

@@ -35,11 +35,8 @@ class Front:
         self.router.add("GET", "/items/{id}", self.item)
         self.router.add("GET", "/boom", self.boom)
         self.router.add("GET", "/boom-stream", self.boom_stream)
-        self.server = Server(self.dispatch, MAX_BODY)
+        self.server = Server(self.router.dispatch, MAX_BODY)
         self.port = free_port()
-
-    async def dispatch(self, req: Request) -> Response | Stream:
-        return await self.router.resolve(req)(req)
 
     async def fast(self, req: Request) -> Response:
         return Response(b"fast", content_type="text/plain")
