@@ -43,6 +43,10 @@ WORKLOADS = {"ns16": (16, False, 0.0), "ns64": (64, False, 0.0), "s64": (64, Tru
              "ns200rps": (0, False, 200.0), "s200rps": (0, True, 200.0)}
 
 
+def is_paced(workload: str) -> bool:
+    return workload in WORKLOADS and WORKLOADS[workload][2] > 0
+
+
 def gen(args: list[str]) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-m", "loadtest.gen", *args], capture_output=True, text=True, check=True)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -173,7 +177,7 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, 
             parts = ("target_cpu_us_per_req", "workers_cpu_us_per_req", "generator_cpu_us_per_req")
             if "workers_cpu_us_per_req" in m:  # every process of the run: what bounds req/s when the cores are full
                 m["machine_cpu_us_per_req"] = round(sum(m.get(k, 0.0) for k in parts), 1)
-                if not WORKLOADS.get(wl, (0, False, 0.0))[2]:  # paced runs are not at a bound; idle wake-ups count
+                if not is_paced(wl):  # paced runs are not at a bound; idle wake-ups count
                     m["cpu_bound_rps"] = round(CORES * 1e6 / m["machine_cpu_us_per_req"], 1)
     return out
 
@@ -202,7 +206,7 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     names = list(next(iter(summary.values())))
     names = [n for n in names if all(n in summary[w] for w in wls)]
     machine = all("machine_cpu_us_per_req" in summary[w][n] for w in wls for n in names)
-    paced = [w for w in wls if WORKLOADS.get(w, (0, False, 0.0))[2] and "direct" in summary[w]]
+    paced = [w for w in wls if is_paced(w) and "direct" in summary[w]]
     panels = 2 + machine + bool(paced)
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
     width = 0.8 / len(names)

@@ -191,13 +191,14 @@ class Engine:
 
     async def _abortable(self, req: SimRequest, work: Awaitable[T]) -> T:
         """Run one request's engine work in this task; an abort's cancellation becomes ``Aborted``."""
-        req.task = asyncio.current_task()
+        task = req.task = asyncio.current_task()
+        assert task is not None
         try:
             return await work
         except asyncio.CancelledError:
-            if req.aborted_in is None or req.task is None:
+            if req.aborted_in is None:
                 raise  # shutdown, not an abort
-            req.task.uncancel()
+            task.uncancel()
             self.counters.aborted += 1
             raise Aborted(req.aborted_in) from None
 
