@@ -145,8 +145,10 @@ class Supervisor:
         with open(self.log_path(c.spec.name), "ab") as out:  # noqa: ASYNC230 - a local log file
             out.write(f"--- start {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(c.spec.command())}\n".encode())
             out.flush()
+            # a session of its own: a terminal's Ctrl-C (SIGINT to the foreground process group) reaches
+            # the supervisor's process alone, which stops the workers itself, after the gateway drained
             c.proc = await asyncio.create_subprocess_exec(*c.spec.command(), stdout=out, stderr=asyncio.subprocess.STDOUT,
-                                                          env=env, preexec_fn=_die_with_parent)
+                                                          env=env, preexec_fn=_die_with_parent, start_new_session=True)
         c.starts += 1
         c.started_at = time.monotonic()
         c.ready.clear()

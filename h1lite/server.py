@@ -43,8 +43,8 @@ def error_response(exc: HTTPError) -> Response:
 
 
 class Request:
-    __slots__ = ("_query", "body", "headers", "keep_alive", "match", "method", "path", "proto", "query_string",
-                 "streaming", "too_large", "version")
+    __slots__ = ("_query", "body", "headers", "keep_alive", "match", "method", "on_gone", "path", "proto",
+                 "query_string", "streaming", "too_large", "version")
 
     def __init__(self, proto: HttpProtocol, method: str, path: str, query_string: str, headers: dict[str, str],
                  version: str) -> None:
@@ -58,6 +58,9 @@ class Request:
         self.too_large = False
         self.streaming = False
         self._query: dict[str, str] | None = None
+        # called instead of cancelling the handler task when the client goes away (a handler that ends
+        # its work through its own cancel scope sets it)
+        self.on_gone: Callable[[], object] | None = None
 
     @property
     def query(self) -> dict[str, str]:
@@ -215,9 +218,11 @@ class Server:
             for c in [c for c in self.conns if c.task is None and c.last_active < cutoff]:
                 c.close()
 
-    async def close(self, drain_s: float = 0.0) -> None:
-        """Stop listening; give requests in flight ``drain_s`` to finish (their connections then close);
-        then close every connection, which cancels the handlers still running."""
+    async def close(self, drain_s: float = 0.0, on_deadline: Callable[[], object] | None = None,
+                    answer_s: float = 5.0) -> None:
+        """Stop listening; give requests in flight ``drain_s`` to finish (their connections then close).
+        Then ``on_deadline()`` lets the application end what is still running with an answer of its
+        own, written within ``answer_s``; then every connection closes, which ends the rest."""
         if self.reaper is not None:
             self.reaper.cancel()
         if self.server is not None:
@@ -228,6 +233,10 @@ class Server:
         busy = [c.task for c in self.conns if c.task is not None]
         if busy and drain_s > 0:
             await asyncio.wait(busy, timeout=drain_s)
+        busy = [c.task for c in self.conns if c.task is not None]
+        if busy and on_deadline is not None:
+            on_deadline()
+            await asyncio.wait(busy, timeout=answer_s)  # their connections close after the answer (transports flush first)
         tasks = [c.task for c in self.conns if c.task is not None]
         for c in list(self.conns):
             c.close()
@@ -248,6 +257,7 @@ class HttpProtocol(asyncio.Protocol):
         self.writable: asyncio.Future[None] | None = None
         self.on_writable: Callable[[], None] | None = None
         self.task: asyncio.Task[None] | None = None
+        self.current: Request | None = None  # the request whose handler runs
         self.queue: deque[Request] = deque()
         self.last_active = time.monotonic()
         self.close_after = False
@@ -287,8 +297,12 @@ class HttpProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.conns.discard(self)
-        if self.task is not None:
-            self.task.cancel()  # the client left: its handler stops, and aborts what it started
+        if self.task is not None:  # the client left: its handler stops, and aborts what it started
+            req = self.current
+            if req is not None and req.on_gone is not None:
+                req.on_gone()
+            else:
+                self.task.cancel()
         if self.writable is not None and not self.writable.done():
             self.writable.set_exception(ClientGone("client closed the connection"))
 
@@ -392,6 +406,7 @@ class HttpProtocol(asyncio.Protocol):
 
     async def handle(self, req: Request) -> None:
         while True:
+            self.current = req
             try:
                 if req.too_large:
                     raise PayloadTooLarge(f"request body is larger than {self.server.max_body} bytes")
@@ -399,13 +414,13 @@ class HttpProtocol(asyncio.Protocol):
             except HTTPError as exc:  # every error leaves in OpenAI's shape
                 resp = error_response(exc)
             except (asyncio.CancelledError, ClientGone):
-                self.task = None
+                self.task = self.current = None
                 self.close()
                 return
             except Exception:  # a bug: the client still gets an answer (or, mid-stream, a closed connection)
                 log.exception("unhandled error in %s %s", req.method, req.path)
                 if req.streaming:
-                    self.task = None
+                    self.task = self.current = None
                     self.close()
                     return
                 resp = error_response(HTTPError("internal error"))
@@ -417,6 +432,7 @@ class HttpProtocol(asyncio.Protocol):
                 self.write(head(resp.status, resp.headers, b"Content-Length: %d\r\n" % len(resp.body), keep)
                            + (resp.body if req.method != "HEAD" else b""))
             self.last_active = time.monotonic()
+            self.current = None
             if not keep or self.closed:
                 self.task = None
                 self.close()

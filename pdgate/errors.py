@@ -12,7 +12,8 @@
     ├── UpstreamError                  502 upstream_error (retryable before the first byte)
     │   ├── UpstreamConnectError       502 upstream_connect_error
     │   ├── UpstreamStatus             502 upstream_5xx | the engine's 4xx passed through
-    │   └── WorkerLost                 502 worker_restarted
+    │   └── WorkerLost                 502 worker_restarted (worker, role and cause as fields)
+    ├── Draining                       503 gateway_draining (the gateway stopped before the answer was done)
     ├── DeadlineExceeded               504 deadline_exceeded
     └── Aborted                        499 request_aborted (client left or operator abort)
 """
@@ -20,6 +21,8 @@
 from __future__ import annotations
 
 from typing import Any
+
+import orjson
 
 # the root and two leaves live in the HTTP layer, which raises them itself
 from h1lite.errors import HTTPError
@@ -99,8 +102,20 @@ class UpstreamStatus(UpstreamError):
 
 
 class WorkerLost(UpstreamError):
+    """An attempt's worker was found down or restarted while the attempt ran."""
+
     code = "worker_restarted"
     reason = "worker_lost"
+
+    def __init__(self, message: str, *, role: str, worker: str, cause: str) -> None:
+        super().__init__(message, role=role, worker=worker)
+        self.cause = cause
+
+
+class Draining(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "gateway_draining"
 
 
 class DeadlineExceeded(GatewayError):
@@ -123,3 +138,17 @@ class Aborted(GatewayError):
 def sse_error_event(exc: GatewayError) -> bytes:
     """What a stream gets when it fails after its headers were sent: an error event, then [DONE]."""
     return b"data: " + error_json(exc) + b"\n\ndata: [DONE]\n\n"
+
+
+def detail_of(body: bytes) -> Any:
+    """What an engine's error body says, for our message: its ``error.message`` or ``message``, else its text."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body[:300].decode(errors="replace")
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict):
+            return err.get("message", err)
+        return obj.get("message", err if err is not None else obj)
+    return obj

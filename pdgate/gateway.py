@@ -9,15 +9,19 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdgate import policies
 from pdgate.config import GatewayConfig
 from pdgate.metrics import Metrics, worker_families
 from pdgate.record import Attempt, Observer, Phase, Record, transition
+from pdgate.scope import Cause, Reason
 from pdgate.traces import Traces
 from pdgate.upstream import Upstream
 from pdgate.workers import Pool, Worker
+
+if TYPE_CHECKING:
+    from pdgate.proxy import Ctx
 
 log = logging.getLogger("pdgate")
 
@@ -33,8 +37,7 @@ class Gateway:
         self.observers: tuple[Observer, ...] = (self.metrics.on_transition,)
         self.prefill_policy = policies.make(cfg.policy)
         self.decode_policy = policies.make(cfg.policy)
-        self.tasks: dict[str, asyncio.Task[Any]] = {}  # live request id -> handler task
-        self.operator_aborts: set[str] = set()
+        self.live: dict[str, Ctx] = {}  # live request id -> its context (and cancel scope)
         self.background: set[asyncio.Task[Any]] = set()
         self.upstream: Upstream | None = None
         self.kicks: dict[str, asyncio.Event] = {}  # worker id -> "check me now"
@@ -111,9 +114,16 @@ class Gateway:
     async def start(self) -> None:
         self.upstream = Upstream(self.cfg.connect_timeout_s, self.cfg.abort_timeout_s)
 
+    def drain(self, detail: str | None = None) -> int:
+        """End every live request now with a terminal answer (outcome aborted, cause drain); their
+        legs are aborted on the engines. Returns how many were live."""
+        live = list(self.live.values())
+        for ctx in live:
+            ctx.cancel(Reason(Cause.DRAIN, detail=detail))
+        return len(live)
+
     async def stop(self) -> None:
-        for t in list(self.tasks.values()):
-            t.cancel()
+        self.drain()
         if self.background:
             await asyncio.wait(list(self.background), timeout=self.cfg.abort_timeout_s + 1)
         if self.upstream is not None:

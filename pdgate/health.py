@@ -86,7 +86,7 @@ def on_up(gw: Gateway, w: Worker, info: dict[str, Any]) -> None:
     if restarted:
         w.restarts += 1
         gw.metrics.restarts.labels(w.id).inc()
-        lost = w.lose_all(f"{w.id} restarted ({restarted})")
+        lost = w.lose_all(f"restarted ({restarted})")
         gw.metrics.lost.labels(w.id).inc(lost)
         w.breaker.success()
         log.warning("worker %s (%s) restarted: %s; %d live requests failed over", w.id, w.url, restarted, lost)
@@ -98,7 +98,7 @@ def on_failed_check(gw: Gateway, w: Worker) -> None:
         was = w.healthy
         w.healthy = False
         w.info_path = None  # whatever comes back up may be another engine
-        lost = w.lose_all(f"{w.id} down ({w.last_error})")
+        lost = w.lose_all(f"down ({w.last_error})")
         gw.metrics.lost.labels(w.id).inc(lost)
         if was:
             log.warning("worker %s (%s) down: %s; %d live requests failed over", w.id, w.url, w.last_error, lost)

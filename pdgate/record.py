@@ -78,18 +78,20 @@ class Deadlines:
     total_at: float
     ttft_at: float
 
-    def due(self, first_token_at: float | None, last_token_at: float | None) -> tuple[str, float]:
-        """The budget that expires next and when."""
+    def due(self, first_token_at: float | None, last_token_at: float | None, idle: bool = True) -> tuple[str, float]:
+        """The budget that runs out next and when, given the token times so far.
+
+        Before the first token: TTFT or total. After it: idle (counted from the last token) or
+        total; ``idle=False`` for non-streaming requests, whose answer comes whole (no gaps to bound)."""
         if first_token_at is None:
             if self.ttft_at < self.total_at:
                 return "ttft", self.ttft_at
             return "total", self.total_at
-        idle_at = (last_token_at or first_token_at) + self.idle_s
-        return ("idle", idle_at) if idle_at < self.total_at else ("total", self.total_at)
-
-    def earliest(self, created: float) -> float:
-        """No budget of a request admitted at ``created`` can run out before this (idle counts from a token)."""
-        return min(self.ttft_at, self.total_at, created + self.idle_s)
+        if idle:
+            idle_at = (last_token_at or first_token_at) + self.idle_s
+            if idle_at < self.total_at:
+                return "idle", idle_at
+        return "total", self.total_at
 
 
 @dataclass(slots=True)
@@ -118,6 +120,7 @@ class Record:
     completion_tokens: int | None = None
     prompt_tokens: int | None = None
     bytes_sent: bool = False  # the client has received bytes: no more retries
+    cause: str | None = None  # why it ended early (scope.Cause value: deadline, drain, client_gone, ...)
 
     def __post_init__(self) -> None:
         self.phase_since = self.created
@@ -130,6 +133,10 @@ class Record:
     @property
     def live(self) -> bool:
         return not self.phase.terminal
+
+    def due(self) -> tuple[str, float]:
+        """The budget that runs out next for this request, and when."""
+        return self.deadlines.due(self.first_token_at, self.last_token_at, self.stream)
 
 
 Observer = Callable[[Record, Phase, Phase, float], None]

@@ -15,6 +15,7 @@ from pdgate.config import ConfigError, GatewayConfig, WorkerSpec, parse_prefill_
 from pdgate.errors import BadRequest, NotFound
 from pdgate.gateway import Gateway
 from pdgate.record import Record
+from pdgate.scope import Cause, Reason
 
 
 class Owner(Protocol):
@@ -157,15 +158,16 @@ async def engine_view(gw: Gateway, rec: Record) -> dict[str, Any]:
 
 async def abort_request(app: App, request: Request) -> Response:
     gw = app.gw
-    rid = request.match["id"]
-    task = gw.tasks.get(rid)
-    if task is None:
-        if gw.traces.get(rid) is not None:
-            return json_response({"id": rid, "aborted": False, "reason": "already finished"}, 409)
-        raise NotFound(f"no live request {rid}")
-    gw.operator_aborts.add(rid)
-    task.cancel()
-    return json_response({"id": rid, "aborted": True})
+    asked = request.match["id"]
+    rec = gw.traces.get(asked)
+    if rec is None:
+        raise NotFound(f"no live request {asked}")
+    ctx = gw.live.get(rec.id)
+    if ctx is None:
+        return json_response({"id": rec.id, "aborted": False, "reason": "already finished"}, 409)
+    won = ctx.cancel(Reason(Cause.OPERATOR))
+    return json_response({"id": rec.id, "aborted": won, **({} if won else {"reason": "already ending"})},
+                         200 if won else 409)
 
 
 async def _json(request: Request) -> dict[str, Any]:
@@ -214,8 +216,7 @@ class App:
         self.server = Server(self.router.dispatch, cfg.max_body_bytes)
 
     async def generate(self, route: str, request: Request) -> Response | Stream:
-        ctx = proxy.admit(self.gw, request, route)
-        return await proxy.serve(ctx)
+        return await proxy.handle(self.gw, request, route)
 
     def start_health(self, wid: str) -> None:
         self.health_tasks[wid] = asyncio.get_running_loop().create_task(health.run(self.gw, self.gw.pool.by_id[wid]))
@@ -231,7 +232,10 @@ class App:
         await self.server.start(host, port)
 
     async def cleanup(self) -> None:
-        await self.server.close(self.cfg.drain_s)
+        """Drain: stop accepting, let live requests finish for ``drain_s``, then give each one still
+        live its terminal answer (and abort its legs) before the connections close."""
+        drain_s = self.cfg.drain_s
+        await self.server.close(drain_s, lambda: self.gw.drain(f"still live after drain_s={drain_s:g}s"))
         if self.rec_task is not None:
             self.rec_task.cancel()
         for t in self.health_tasks.values():

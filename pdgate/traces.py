@@ -13,18 +13,39 @@ class Traces:
         self.live: dict[str, Record] = {}
         self.finished: OrderedDict[str, Record] = OrderedDict()
         self._ring = ring_size
+        self.by_client: dict[str, str] = {}  # a client's own x-request-id -> our id (live and ring only)
 
     def add(self, rec: Record) -> None:
         self.live[rec.id] = rec
+        if rec.client_request_id is not None:
+            self.by_client[rec.client_request_id] = rec.id
 
     def finish(self, rec: Record) -> None:
         self.live.pop(rec.id, None)
         self.finished[rec.id] = rec
         while len(self.finished) > self._ring:
-            self.finished.popitem(last=False)
+            _, old = self.finished.popitem(last=False)
+            cid = old.client_request_id
+            if cid is not None and self.by_client.get(cid) == old.id:
+                del self.by_client[cid]
 
-    def get(self, rid: str) -> Record | None:
+    def _one(self, rid: str) -> Record | None:
         return self.live.get(rid) or self.finished.get(rid)
+
+    def get(self, ident: str) -> Record | None:
+        """A live or recent record by our request id, by one of its attempts' rids (``<id>.<n>``: the
+        OpenAI SDK's ``response.id``), or by the client's own ``x-request-id`` (its latest request)."""
+        rec = self._one(ident)
+        if rec is None:
+            base, dot, n = ident.rpartition(".")
+            if dot and n.isdigit():
+                rec = self._one(base)
+                if rec is not None and not any(a.rid == ident for a in rec.attempts):
+                    rec = None
+        if rec is None:
+            ours = self.by_client.get(ident)
+            rec = self._one(ours) if ours is not None else None
+        return rec
 
     def live_phases(self) -> dict[Phase, int]:
         """Live requests by phase, counted at scrape time (nothing per request)."""
@@ -54,8 +75,7 @@ def _rel(t: float | None, base: float) -> float | None:
 
 def summary(rec: Record, now: float) -> dict[str, Any]:
     a = rec.attempt
-    d = rec.deadlines
-    kind, due = d.due(rec.first_token_at, rec.last_token_at)
+    kind, due = rec.due()
     return {
         "id": rec.id, "route": rec.route, "model": rec.model, "stream": rec.stream,
         "phase": phase_label(rec.phase), "age_s": round(now - rec.created, 3),
@@ -75,11 +95,13 @@ def full(rec: Record, now: float, engine: dict[str, Any] | None = None) -> dict[
         "created_at": rec.created_wall,
         "status": rec.status,
         "reason": rec.reason,
+        "cause": rec.cause,
         "ended_phase": phase_label(rec.ended_phase) if rec.ended_phase else None,
         "budgets_s": {"total": d.total_s, "ttft": d.ttft_s, "idle": d.idle_s},
         "phases": [{"t": _rel(t, base), "phase": "prefill+transfer" if p == "prefill" else p} for t, p in rec.history],
         "timings_s": {
             "ttft": _rel(rec.first_token_at, base),
+            "last_token": _rel(rec.last_token_at, base),
             "e2e": _rel(rec.finished_at, base),
             "tpot": (round((rec.last_token_at - rec.first_token_at) / max(rec.chunks - 1, 1), 6)
                      if rec.first_token_at is not None and rec.last_token_at is not None and rec.chunks > 1 else None),

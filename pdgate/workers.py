@@ -53,7 +53,7 @@ class CircuitBreaker:
 class Bound(Protocol):
     """A live attempt bound to a worker; told at once when the worker is lost."""
 
-    def lose(self, reason: str) -> None: ...
+    def lose(self, worker: str, role: str, cause: str) -> None: ...
 
     def note(self, name: str, info: Any = None) -> None: ...
 
@@ -117,10 +117,10 @@ class Worker:
             return 0.0
         return now - max(self.last_progress, self.busy_since)
 
-    def lose_all(self, reason: str) -> int:
+    def lose_all(self, cause: str) -> int:
         lost = list(self.bound)
         for b in lost:
-            b.lose(reason)
+            b.lose(self.id, self.role, cause)
         return len(lost)
 
     def view(self, now: float) -> dict[str, Any]:

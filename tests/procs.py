@@ -32,8 +32,9 @@ class Procs:
     tmp: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="pdgate-test-")))
     procs: list[Proc] = field(default_factory=list)
 
-    def spawn(self, args: Sequence[str], env: dict[str, str] | None = None, name: str = "proc") -> Proc:
-        p = Proc(list(args), env or {}, self.tmp / f"{name}-{len(self.procs)}.log").start()
+    def spawn(self, args: Sequence[str], env: dict[str, str] | None = None, name: str = "proc",
+              new_session: bool = False) -> Proc:
+        p = Proc(list(args), env or {}, self.tmp / f"{name}-{len(self.procs)}.log", new_session=new_session).start()
         self.procs.append(p)
         return p
 

@@ -56,7 +56,7 @@ async def assert_clean(http: aiohttp.ClientSession, gw: Gateway, workers: Iterab
         held = {w.role + str(w.port): await engine_requests(http, w) for w in workers}
         held = {k: v for k, v in held.items() if v}
         live = list(gw.traces.live)
-        if not held and not live and not gw.tasks:
+        if not held and not live and not gw.live:
             clean_since = clean_since or loop.time()
             if loop.time() - clean_since >= 0.3:
                 return

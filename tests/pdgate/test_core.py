@@ -60,15 +60,33 @@ def test_deadline_due_moves_from_ttft_to_idle_to_total() -> None:
     assert long_ttft.deadlines.due(None, None) == ("total", 105.0)
 
 
-def test_the_watchdog_timer_never_fires_after_a_deadline() -> None:
-    """The watchdog arms once, at ``earliest``; that must not be later than any deadline a request can reach."""
+def test_the_due_time_only_moves_later_once_the_first_token_came() -> None:
+    """The watchdog is armed at admission and re-armed at the first token only; tokens after that never
+    touch it, so it is never late only if each later token moves the due time later, never earlier.
+    The first token itself may move it earlier (TTFT -> idle): hence the re-arm there."""
     rng = random.Random(7)
+    moved_earlier_at_first = 0
     for _ in range(2000):
         total, ttft, idle = (rng.choice([0.1, 1, 2, 5, 60, 600]) for _ in range(3))
         r = rec(total=total, ttft=ttft, idle=idle)
-        first = None if rng.random() < 0.3 else 100 + rng.random() * 10
-        last = None if first is None or rng.random() < 0.3 else first + rng.random() * 10
-        assert r.deadlines.earliest(r.created) <= r.deadlines.due(first, last)[1]
+        stream = rng.random() < 0.7
+        before = r.deadlines.due(None, None, stream)[1]
+        first = 100 + rng.random() * 10
+        due = r.deadlines.due(first, first, stream)[1]
+        moved_earlier_at_first += due < before
+        last = first
+        for _ in range(5):
+            last += rng.random() * 3
+            later = r.deadlines.due(first, last, stream)[1]
+            assert later >= due
+            due = later
+    assert moved_earlier_at_first > 0  # the case the re-arm exists for does occur
+
+
+def test_non_streaming_requests_have_no_idle_budget() -> None:
+    r = rec(total=10, ttft=3, idle=2)
+    assert r.deadlines.due(101.0, 101.0, False) == ("total", 110.0)
+    assert r.deadlines.due(101.0, 101.0, True) == ("idle", 103.0)
 
 
 def test_deadline_precedence_and_caps() -> None:

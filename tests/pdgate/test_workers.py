@@ -30,7 +30,7 @@ async def test_gray_failure_degrades_worker(procs: Procs, http: aiohttp.ClientSe
     await asyncio.sleep(1.8)
     async with http.get(g.url + "/v1/workers") as r:
         view = {w["id"]: w for w in (await r.json())["workers"]}
-    results = await asyncio.gather(*(post(http, g, LONG_CHAT, {"x-pdgate-idle-timeout": "1"}) for _ in range(4)))
+    results = await asyncio.gather(*(post(http, g, LONG_CHAT, {"x-pdgate-timeout": "3"}) for _ in range(4)))
     statuses = sorted(s for s, _, _ in results)
     if degraded_after_s < 100:
         assert view[bad]["degraded"] and view[bad]["healthy"] and not view[bad]["available"]

@@ -1,0 +1,228 @@
+"""Attempts: pick a pair, run both legs with the same rid, retry on another pair before the first byte.
+
+Each attempt runs in a cancel scope of its own (``Bind.scope``) inside the request's: its
+prefill failing before the first token, or one of its workers lost, cancels the attempt
+(``Cause.LEG_FAILED`` / ``Cause.WORKER_LOST``) and the request may go on with another pair.
+Whatever ends an attempt early, both legs are aborted on the engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from h1lite.server import ClientGone
+from pdgate import protocol, validation
+from pdgate.errors import NoHealthyPair, UpstreamError, UpstreamStatus, WorkerLost, detail_of
+from pdgate.policies import select_pair
+from pdgate.record import Attempt, Phase
+from pdgate.relay import relay_stream
+from pdgate.scope import Cancelled, Cause, Reason, Scope
+from pdgate.upstream import wrap
+
+if TYPE_CHECKING:
+    from pdgate.gateway import Gateway
+    from pdgate.proxy import Ctx
+    from pdgate.workers import Worker
+
+
+class Bind:
+    """An attempt bound to its two workers, with the cancel scope of its decode leg."""
+
+    __slots__ = ("att", "gw", "scope")
+
+    def __init__(self, gw: Gateway, att: Attempt) -> None:
+        self.gw = gw
+        self.att = att
+        self.scope = Scope()
+
+    def fail(self, exc: BaseException) -> None:
+        self.scope.cancel(Reason(Cause.LEG_FAILED, error=exc))
+
+    def lose(self, worker: str, role: str, cause: str) -> None:
+        err = WorkerLost(f"attempt {self.att.n} lost its {role} worker {worker}: {cause}", role=role, worker=worker,
+                         cause=cause)
+        self.scope.cancel(Reason(Cause.WORKER_LOST, error=err))
+
+    def note(self, name: str, info: Any = None) -> None:
+        self.att.event(self.gw.now(), name, info)
+
+    def prefill_done(self, p_task: asyncio.Task[bytes]) -> None:
+        exc = None if p_task.cancelled() else p_task.exception()
+        if exc is not None and not self.att.first_token:
+            self.fail(exc)
+
+
+async def dispatch(ctx: Ctx) -> bytes:
+    gw, rec = ctx.gw, ctx.rec
+    avoid: set[int] = set()
+    last: UpstreamError | None = None
+    for n in range(1, gw.cfg.max_attempts + 1):
+        now = gw.now()
+        pair = select_pair(gw.pool.available("prefill", now), gw.pool.available("decode", now),
+                           gw.prefill_policy, gw.decode_policy, frozenset(avoid))
+        if pair is None:
+            if last is not None:
+                raise last
+            raise NoHealthyPair("no healthy prefill+decode pair is available")
+        pw, dw = pair
+        att = Attempt(n=n, rid=f"{rec.id}.{n}", prefill=pw.id, decode=dw.id, room=random.getrandbits(63))
+        rec.attempts.append(att)
+        gw.move(rec, Phase.DISPATCHED)
+        bind = Bind(gw, att)
+        pw.bind(bind, now)
+        dw.bind(bind, now)
+        try:
+            return await run_attempt(ctx, att, bind, pw, dw)
+        except UpstreamError as exc:
+            att.error = exc.message
+            att.event(gw.now(), "error", exc.message)
+            if rec.bytes_sent or not exc.retryable:
+                raise
+            gw.metrics.retries.labels(exc.reason).inc()
+            avoid.update(id(w) for w in (pw, dw) if exc.worker in ("", w.id))
+            last = exc
+        finally:
+            pw.unbind(bind)
+            dw.unbind(bind)
+    assert last is not None
+    raise last
+
+
+async def run_attempt(ctx: Ctx, att: Attempt, bind: Bind, pw: Worker, dw: Worker) -> bytes:
+    gw, rec = ctx.gw, ctx.rec
+    payload = orjson.dumps({
+        **ctx.body,
+        protocol.BOOTSTRAP_HOST: pw.spec.host,
+        protocol.BOOTSTRAP_PORT: pw.spec.bootstrap_port,
+        protocol.BOOTSTRAP_ROOM: att.room,
+        protocol.RID: att.rid,
+    })
+    att.event(gw.now(), "sent")
+    p_task = asyncio.get_running_loop().create_task(prefill_leg(ctx, att, pw, payload, bind))
+    p_task.add_done_callback(bind.prefill_done)
+    gw.move(rec, Phase.PREFILL)
+    ok = False
+    try:
+        try:
+            with bind.scope:  # a worker lost between binding and here: raises at once
+                body = await decode_leg(ctx, att, dw, payload)
+        except Cancelled as c:
+            assert isinstance(c.reason.error, UpstreamError)
+            raise c.reason.error from None
+        if ctx.merge_logprobs:
+            body = merge_logprobs(await p_task, body)
+        ok = True
+        note_usage(ctx, body)
+        return body
+    finally:
+        if not ok:
+            p_task.cancel()
+            names = {e[1] for e in att.events}
+            gw.abort_leg(att, pw, "prefill_done" in names)
+            gw.abort_leg(att, dw, "decode_headers" in names)
+        elif not p_task.done():
+            gw.spawn(prefill_tail(gw, att, pw, p_task))
+        elif not p_task.cancelled() and p_task.exception() is not None:
+            att.event(gw.now(), "prefill_error_after_first_token", str(p_task.exception()))
+
+
+async def prefill_tail(gw: Gateway, att: Attempt, pw: Worker, p_task: asyncio.Task[bytes]) -> None:
+    """Decode finished but the prefill has not answered: give it a grace period, then abort it."""
+    done, _ = await asyncio.wait({p_task}, timeout=gw.cfg.prefill_grace_s)
+    if not done:
+        att.event(gw.now(), "prefill_orphaned", f"no prefill answer {gw.cfg.prefill_grace_s:g}s after decode finished")
+        p_task.cancel()
+        gw.abort_leg(att, pw, False)
+
+
+async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: Bind) -> bytes:
+    gw = ctx.gw
+    try:
+        status, body = await gw.up().post_read(w.url, ctx.route, payload)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        w.breaker.failure(gw.now())
+        gw.kick(w)
+        raise wrap(exc, "prefill", w.id) from None
+    now = gw.now()
+    att.event(now, "prefill_done", status)
+    if status != 200:
+        raise leg_status(w, status, body, now)
+    w.breaker.success()
+    w.progress(now)
+    w.unbind(bind)  # its part is done: it no longer holds this request (load, stall and restart checks)
+    if not ctx.rec.stream:  # non-streaming: the prefill computed the first token; a stream's is decode's first event
+        ctx.first_token(now)
+    return body
+
+
+async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes) -> bytes:
+    gw, rec = ctx.gw, ctx.rec
+    try:
+        if not rec.stream:
+            status, body = await gw.up().post_read(w.url, ctx.route, payload)
+            now = gw.now()
+            att.event(now, "decode_headers", status)
+            if status != 200:
+                raise leg_status(w, status, body, now)
+            att.event(now, "decode_done")
+            ctx.first_token(now)
+            w.progress(now)
+            w.breaker.success()
+            return body
+        async with gw.up().post(w.url, ctx.route, payload) as resp:
+            att.event(gw.now(), "decode_headers", resp.status)
+            if resp.status != 200:
+                raise leg_status(w, resp.status, await resp.read(), gw.now())
+            await relay_stream(ctx, att, w, resp)
+            w.breaker.success()
+            return b""
+    except (asyncio.CancelledError, ClientGone, UpstreamError):
+        raise
+    except Exception as exc:
+        w.breaker.failure(gw.now())
+        gw.kick(w)
+        raise wrap(exc, "decode", w.id) from None
+
+
+def leg_status(w: Worker, status: int, body: bytes, now: float) -> UpstreamStatus:
+    detail = detail_of(body)
+    err = UpstreamStatus(f"{w.role} worker {w.id} answered {status}: {detail}", role=w.role, worker=w.id,
+                         upstream_status=status, detail=detail)
+    if err.retryable:
+        w.breaker.failure(now)
+    return err
+
+
+def note_usage(ctx: Ctx, body: bytes) -> None:
+    rec = ctx.rec
+    if ctx.resp is not None or not body:
+        return
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return
+    usage = obj.get("usage") or obj.get("meta_info") or {}
+    rec.prompt_tokens = usage.get("prompt_tokens")
+    rec.completion_tokens = usage.get("completion_tokens")
+
+
+def merge_logprobs(prefill_body: bytes, decode_body: bytes) -> bytes:
+    """As SGLang's routers do: decode's input_token_logprobs = prefill's + decode's."""
+    try:
+        p, d = orjson.loads(prefill_body), orjson.loads(decode_body)
+        pm, dm = p["meta_info"], d["meta_info"]
+        if "input_token_logprobs" in pm and "input_token_logprobs" in dm:
+            dm["input_token_logprobs"] = pm["input_token_logprobs"] + dm["input_token_logprobs"]
+        return orjson.dumps(d)
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return decode_body
+
+
+def wants_logprobs(route: str, body: dict[str, Any]) -> bool:
+    return route == validation.GENERATE and bool(body.get("return_logprob"))

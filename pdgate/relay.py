@@ -1,0 +1,148 @@
+"""The relay: decode's SSE stream to the client, decided per event, never per read.
+
+``Framer`` keeps state across TCP reads: an event is recognised only when its blank line
+(``\\n\\n``, or ``\\r\\n\\r\\n`` for a CRLF stream) has arrived, so a ``[DONE]``, an error event or a
+token split across reads is judged once, whole (SMG's ``chunk_contains_done_event`` exists for
+the same reason: "a sentinel split across chunks is never treated as terminal").
+
+What arrives is relayed as it arrives, unchanged: every whole event in a read goes to the client
+in that read's one write. Only an event still incomplete at the end of a read is held until its
+end comes (usually the next read): forwarding half an event would let a terminal event that the
+gateway writes itself (deadline, drain, a decode that died) land in the middle of the engine's,
+and the client would get neither.
+
+The relay runs inside the upstream connection's ``data_received`` (``resp.pipe``): one client
+write per engine read and no task switch per token.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from h1lite.client import Response as UpstreamResponse
+from pdgate.errors import UpstreamError, UpstreamStatus, detail_of
+
+if TYPE_CHECKING:
+    from pdgate.proxy import Ctx
+    from pdgate.record import Attempt
+    from pdgate.workers import Worker
+
+ERROR = b'data: {"error"'
+DONE = b"data: [DONE]"
+
+
+class Framer:
+    """Splits an SSE byte stream into whole events. ``push`` returns the whole events that a read
+    completed (bytes as received) and sets, for them: ``tokens`` (data events that are neither
+    an error nor ``[DONE]``), ``error`` / ``first_error`` (an error event among them / as the very
+    first event of the stream), ``done`` (the ``[DONE]`` event came; nothing after it is passed on)."""
+
+    __slots__ = ("done", "error", "first_error", "sep", "tail", "tokens")
+
+    def __init__(self) -> None:
+        self.tail = b""
+        self.sep = b""  # b"\n\n" or b"\r\n\r\n", fixed by the first event
+        self.tokens = 0
+        self.error = False
+        self.first_error = False
+        self.done = False
+
+    def push(self, chunk: bytes) -> bytes:
+        self.tokens = 0
+        self.error = self.first_error = False
+        if self.done:
+            return b""
+        first = not self.sep
+        if self.tail:
+            chunk = self.tail + chunk
+            self.tail = b""
+        sep = self.sep or self._sep(chunk)
+        if not sep:  # no event has ended yet
+            self.tail = chunk
+            return b""
+        end = chunk.rfind(sep)
+        if end < 0:
+            self.tail = chunk
+            return b""
+        end += len(sep)
+        if end < len(chunk):
+            chunk, self.tail = chunk[:end], chunk[end:]
+        n = chunk.count(sep)
+        errors = chunk.count(sep + ERROR) + chunk.startswith(ERROR)
+        self.first_error = first and chunk.startswith(ERROR)
+        self.error = errors > 0
+        done_at = self._done_at(chunk, sep)
+        if done_at >= 0:
+            self.done = True
+            self.tail = b""
+            chunk = chunk[:done_at]
+            n = chunk.count(sep)
+            errors = chunk.count(sep + ERROR) + chunk.startswith(ERROR)
+            self.error = errors > 0
+            self.tokens = n - errors - 1
+        else:
+            self.tokens = n - errors
+        return chunk
+
+    def _sep(self, data: bytes) -> bytes:
+        lf, crlf = data.find(b"\n\n"), data.find(b"\r\n\r\n")
+        if crlf >= 0 and (lf < 0 or crlf < lf):
+            self.sep = b"\r\n\r\n"
+        elif lf >= 0:
+            self.sep = b"\n\n"
+        return self.sep
+
+    @staticmethod
+    def _done_at(chunk: bytes, sep: bytes) -> int:
+        """The end of the ``[DONE]`` event in ``chunk`` (an event of its own), or -1."""
+        ev = DONE + sep
+        if chunk.startswith(ev):
+            return len(ev)
+        i = chunk.find(sep + ev)
+        return -1 if i < 0 else i + len(sep) + len(ev)
+
+
+class Relay:
+    __slots__ = ("att", "ctx", "framer", "upstream", "w")
+
+    def __init__(self, ctx: Ctx, att: Attempt, w: Worker, upstream: UpstreamResponse) -> None:
+        self.ctx, self.att, self.w, self.upstream = ctx, att, w, upstream
+        self.framer = Framer()
+
+    def feed(self, chunk: bytes) -> None:
+        fr = self.framer
+        events = fr.push(chunk)
+        if not events:
+            return
+        ctx, w = self.ctx, self.w
+        now = ctx.gw.now()
+        out = ctx.resp
+        if out is None:
+            if fr.first_error:  # failed before anything reached the client: retryable
+                detail = detail_of(events[6:].split(fr.sep, 1)[0])
+                raise UpstreamStatus(f"decode worker {w.id} failed: {detail}", role="decode", worker=w.id,
+                                     upstream_status=500)
+            self.att.event(now, "first_token")
+            ctx.first_token(now)
+            out = ctx.start_stream()
+        if fr.error:
+            ctx.stream_error = "decode reported an error mid-stream"
+        if fr.tokens:
+            rec = ctx.rec
+            rec.chunks += fr.tokens
+            rec.last_token_at = now
+        w.progress(now)
+        out.send(events)
+        if out.blocked:  # back-pressure: stop reading the decode until the client takes more
+            self.upstream.pause()
+            out.on_writable(self.upstream.resume)
+
+
+async def relay_stream(ctx: Ctx, att: Attempt, w: Worker, resp: UpstreamResponse) -> None:
+    """Relay decode's SSE events as they come; when the client's socket is full, reading from the
+    decode pauses until it drains. A stream that ends before ``[DONE]`` is a failed leg."""
+    relay = Relay(ctx, att, w, resp)
+    await resp.pipe(relay.feed)
+    att.event(ctx.gw.now(), "decode_done", ctx.rec.chunks)
+    if not relay.framer.done:
+        raise UpstreamError(f"decode worker {w.id} closed the stream before [DONE]", role="decode", worker=w.id)

@@ -1,0 +1,105 @@
+"""Cancel scopes: who ended a request (or one attempt of it) early, decided once, first reason wins.
+
+A request's handler task can be ended by a deadline, an operator's abort, its client leaving,
+a drain, or the gateway stopping; one attempt of it by a leg that failed or a worker that was
+lost. Every one of these goes through ``Scope.cancel(reason)``: the first reason is kept and
+later ones are ignored (trio: ``if self._cancel_reason is None: ...``), and the task is
+cancelled once. The handler never reconstructs why from side flags: when the ``with scope:``
+block ends by that cancellation, the block raises ``Cancelled(scope.reason)`` instead, and
+``pdgate.outcome`` maps the reason to an outcome, a status and a message in one place.
+
+Scopes nest as trio's do: an attempt's scope inside its request's. The inner scope turns the
+cancellation into ``Cancelled`` only when it was the only canceller; when the request was
+cancelled as well, the cancellation passes on to the request's scope, whose reason then wins.
+Each scope takes back exactly the one cancellation it issued (``Task.uncancel``), whatever
+else happened, so an outer ``task.cancel()`` (the gateway stopping) is never swallowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+
+class Cause(enum.Enum):
+    DEADLINE = "deadline"
+    OPERATOR = "operator_abort"
+    CLIENT_GONE = "client_gone"
+    DRAIN = "drain"
+    # attempt-level: the request may go on with another attempt
+    LEG_FAILED = "leg_failed"
+    WORKER_LOST = "worker_lost"
+
+    __hash__ = object.__hash__
+
+
+@dataclass(frozen=True, slots=True)
+class Reason:
+    cause: Cause
+    budget: str | None = None  # DEADLINE: which budget ran out
+    error: BaseException | None = None  # LEG_FAILED / WORKER_LOST: the attempt's error (an UpstreamError)
+    detail: str | None = None
+
+
+class Cancelled(Exception):
+    """The block of a scope was ended by ``Scope.cancel``; ``reason`` says why."""
+
+    def __init__(self, reason: Reason) -> None:
+        super().__init__(reason.cause.value)
+        self.reason = reason
+
+
+class Scope:
+    """One cancellation cause for the task that runs the ``with`` block; first reason wins.
+
+    ``cancel()`` before the block is entered records the reason; entering then raises
+    ``Cancelled`` at once. ``cancel()`` after the block has left records the reason (if it is the
+    first) and cancels nothing: the request's outcome still reads it (a client that left while
+    its answer was being written), an attempt's is never read again."""
+
+    __slots__ = ("_issued", "_task", "reason")
+
+    def __init__(self) -> None:
+        self.reason: Reason | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._issued = False
+
+    @property
+    def cancelled(self) -> bool:
+        return self.reason is not None
+
+    def cancel(self, reason: Reason) -> bool:
+        """Record ``reason`` if it is the first; cancel the block's task. True if this reason won."""
+        if self.reason is not None:
+            return False
+        self.reason = reason
+        task = self._task
+        # From inside the task itself a cancel would only land at its next await, possibly outside
+        # the block: the block checks ``reason`` at its next step instead (``check()``).
+        if task is not None and task is not asyncio.current_task():
+            self._issued = True
+            task.cancel()
+        return True
+
+    def check(self) -> None:
+        """Raise ``Cancelled`` if a reason is recorded (for steps that start new work)."""
+        if self.reason is not None:
+            raise Cancelled(self.reason)
+
+    def __enter__(self) -> Scope:
+        self._task = asyncio.current_task()
+        self.check()
+        return self
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        task, self._task = self._task, None
+        if self._issued:
+            assert task is not None
+            self._issued = False
+            task.uncancel()  # take back the one cancellation this scope issued, whatever the block raised
+            if typ is asyncio.CancelledError and task.cancelling() == 0:
+                assert self.reason is not None
+                raise Cancelled(self.reason) from None
