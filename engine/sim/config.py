@@ -45,6 +45,12 @@ FAULTS: dict[str, Any] = {
     "http_500_rate": _rate,
     "slow_prefill": _seconds,
     "slow_accept": _seconds,
+    "slow_first_token": _seconds,  # decode: the first token leaves this long after the KV (and the prefill's answer)
+    # re-segment what the engine writes, as a real network and a loaded SGLang do: with this
+    # probability a write is cut at random byte offsets (pieces a little apart, so they arrive in
+    # separate reads) or held back and merged with the next one
+    "segment": _rate,
+    "segment_seed": int,
 }
 
 

@@ -91,6 +91,48 @@ class Parsed:
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
 
 
+# ---- how bytes leave: whole, or re-segmented (fault "segment") ----------------------------
+class Segmenter:
+    """Writes a response's bytes to a stream as the ``segment`` fault says: whole; or cut at random
+    offsets into pieces written ~0-3 ms apart (so they reach the peer in separate reads); or held
+    and merged into the next write. Seeded by ``segment_seed`` (a scenario replays exactly)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.rate = float(engine.cfg.faults.segment)
+        self.rng = engine.segment_rng
+        self.held = b""
+
+    async def write(self, s: Stream, data: bytes, last: bool = False) -> None:
+        data, self.held = self.held + data, b""
+        rng = self.rng
+        if not self.rate or rng.random() >= self.rate or not data:
+            s.send(data)
+            await s.drain()
+            return
+        if not last and rng.random() < 0.4:  # merge: goes out with the next write
+            self.held = data
+            return
+        k = min(len(data) - 1, rng.randint(1, 3))
+        cuts = sorted(rng.sample(range(1, len(data)), k)) if k > 0 else []
+        start = 0
+        for cut in [*cuts, len(data)]:
+            s.send(data[start:cut])
+            start = cut
+            if cut < len(data):
+                await s.drain()
+                await asyncio.sleep(rng.choice((0.0, 0.001, 0.003)))
+        await s.drain()
+
+
+async def send_json(request: Request, engine: Engine, obj: Any) -> Response | Stream:
+    """A JSON answer: whole, or (fault ``segment``) chunked and re-segmented."""
+    if not engine.cfg.faults.segment:
+        return jsonr(obj)
+    s = request.open_stream(200, {"Content-Type": "application/json"})
+    await Segmenter(engine).write(s, orjson.dumps(obj), last=True)
+    return s
+
+
 # ---- response shapes -----------------------------------------------------------------
 def _finish(reason: dict[str, Any] | None) -> str | None:
     return None if reason is None else reason["type"]
@@ -215,9 +257,9 @@ async def _prefill(request: Request, engine: Engine, ps: Parsed, req: SimRequest
         return error(exc.status, exc.message, exc.kind)
     finish = {"type": "length", "length": 1}
     if not ps.stream:
-        return jsonr(full_body(ps, req, [first], finish, model, "prefill"))
+        return await send_json(request, engine, full_body(ps, req, [first], finish, model, "prefill"))
     s = request.open_stream(200, SSE)
-    await s.write(chunk(ps, req, [first], first, finish, model, "prefill") + DONE)
+    await Segmenter(engine).write(s, chunk(ps, req, [first], first, finish, model, "prefill") + DONE, last=True)
     return s
 
 
@@ -228,27 +270,36 @@ async def _decode(request: Request, engine: Engine, ps: Parsed, req: SimRequest,
             await _await_or_abort(engine, req, task)
         except EngineError as exc:
             return error(exc.status, exc.message, exc.kind)
-        return jsonr(full_body(ps, req, req.tokens, req.finish, model, "decode"))
+        return await send_json(request, engine, full_body(ps, req, req.tokens, req.finish, model, "decode"))
     try:
         s = request.open_stream(200, SSE)
+        out = Segmenter(engine)
         sent = 0
+        task.add_done_callback(lambda _: req.progress.set())
         while True:
+            # cleared and read before the tokens: the writes below may wait, and tokens (or the end) that
+            # come meanwhile set it again
+            req.progress.clear()
+            finished = task.done()
+            events = []
             while sent < len(req.tokens):  # one event per token, as SGLang streams (stream_interval 1)
                 sent += 1
                 last = sent == len(req.tokens) and req.finish is not None
-                s.send(chunk(ps, req, req.tokens[:sent], req.tokens[sent - 1], req.finish if last else None, model, "decode"))
-            await s.drain()
-            if task.done():
+                events.append(chunk(ps, req, req.tokens[:sent], req.tokens[sent - 1], req.finish if last else None,
+                                    model, "decode"))
+            if events:
+                await out.write(s, b"".join(events))
+            if finished:
                 break
-            req.progress.clear()
             await req.progress.wait()
         exc = task.exception()
+        tail = b""
         if isinstance(exc, EngineError):
             err = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
-            s.send(b"data: " + orjson.dumps(err) + b"\n\n")
+            tail = b"data: " + orjson.dumps(err) + b"\n\n"
         elif ps.include_usage:
-            s.send(usage_chunk(ps, req, len(req.tokens), model))
-        await s.write(DONE)
+            tail = usage_chunk(ps, req, len(req.tokens), model)
+        await out.write(s, tail + DONE, last=True)
         return s
     except (asyncio.CancelledError, ConnectionError):
         if not task.done():
@@ -337,6 +388,8 @@ def build_router(engine: Engine) -> Router:
                         cfg.fixes = parse_fixes(str(value))
                     else:
                         cfg.faults.set(name, value)
+                        if name == "segment_seed":
+                            engine.segment_rng.seed(int(cfg.faults.segment_seed))
             except (EngineError, KeyError, ValueError) as exc:
                 return error(400, str(exc))
             if cfg.faults.decode_freeze:

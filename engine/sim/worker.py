@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections.abc import Awaitable
@@ -102,6 +103,7 @@ class Engine:
         self.counters = Counters()
         self.unfrozen = asyncio.Event()
         self.unfrozen.set()
+        self.segment_rng = random.Random(int(cfg.faults.segment_seed))  # reseeded when the fault is set
         self._forward = asyncio.Lock()
         # prefill: room -> future of the decode's destination
         self._rooms: dict[int, asyncio.Future[dict[str, Any]]] = {}
@@ -318,6 +320,8 @@ class Engine:
                     header = await asyncio.shield(req.kv_header)
             except TimeoutError:
                 raise EngineError(500, f"decode waited {self.cfg.waiting_timeout}s for KV; none came") from None
+            if self.cfg.faults.slow_first_token:  # the prefill has answered; the decode's first token comes late
+                await asyncio.sleep(self.cfg.faults.slow_first_token)
             req.next_word()  # the prefill computed the first token; skip it here
             req.tokens.append(header["first_token"])
             self.counters.generation_tokens += 1

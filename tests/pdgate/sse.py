@@ -1,0 +1,92 @@
+"""A test client for the gateway's streams: every SSE event with the time it arrived, framed by blank lines."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+
+@dataclass
+class Seen:
+    """What one client saw of one request."""
+
+    status: int = 0
+    rid: str | None = None
+    sent_at: float = 0.0
+    events: list[tuple[float, bytes]] = field(default_factory=list)  # (monotonic time, data of the event)
+    body: bytes = b""  # a non-SSE answer
+    ended_at: float | None = None
+    error: str | None = None  # the connection failed (or we left)
+
+    @property
+    def done_count(self) -> int:
+        return sum(1 for _, d in self.events if d == b"[DONE]")
+
+    @property
+    def error_events(self) -> list[dict[str, Any]]:
+        out = []
+        for _, d in self.events:
+            if d.startswith(b'{"error"'):
+                out.append(orjson.loads(d)["error"])
+        return out
+
+    @property
+    def tokens(self) -> list[float]:
+        """Arrival times of the data events that are tokens (not an error, not [DONE])."""
+        return [t for t, d in self.events if d != b"[DONE]" and not d.startswith(b'{"error"')]
+
+    @property
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+
+def parse_events(buf: bytes) -> tuple[list[bytes], bytes]:
+    """Whole events' data fields, and what is left (an incomplete event)."""
+    out = []
+    while True:
+        i = buf.find(b"\n\n")
+        if i < 0:
+            return out, buf
+        ev, buf = buf[:i], buf[i + 2:]
+        for line in ev.split(b"\n"):
+            if line.startswith(b"data: "):
+                out.append(line[6:])
+
+
+async def call(http: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str] | None = None,
+               leave_after: int | None = None, read_delay: float = 0.0) -> Seen:
+    """POST and read the answer; for a stream, every event as it arrives. ``leave_after``: close the
+    connection after that many events (0: right after the headers); ``read_delay``: sleep between reads."""
+    seen = Seen(sent_at=time.monotonic())
+    try:
+        async with http.post(url, json=body, headers=headers or {}) as r:
+            seen.status = r.status
+            seen.rid = r.headers.get("x-request-id")
+            if r.headers.get("Content-Type", "").startswith("text/event-stream"):
+                if leave_after == 0:
+                    seen.error = "left"
+                    return seen
+                buf = b""
+                async for chunk in r.content.iter_any():
+                    now = time.monotonic()
+                    evs, buf = parse_events(buf + chunk)
+                    seen.events.extend((now, e) for e in evs)
+                    if leave_after is not None and len(seen.events) >= leave_after:
+                        seen.error = "left"
+                        return seen
+                    if read_delay:
+                        await asyncio.sleep(read_delay)
+                if buf:
+                    seen.error = f"stream ended inside an event: {buf[:80]!r}"
+            else:
+                seen.body = await r.read()
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        seen.error = f"{exc.__class__.__name__}: {exc}"
+    finally:
+        seen.ended_at = time.monotonic()
+    return seen

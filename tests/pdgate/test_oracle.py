@@ -1,0 +1,48 @@
+"""The oracle in the default run (bounded: ``ORACLE_EXAMPLES`` scenarios, 25 by default) and its soak
+(``pytest -m slow``: at least 10,000 requests, fds and RSS back to their baseline). See ``oracle.py``.
+
+``PDGATE_MUTATION`` switches one mechanism off for the mutation check (``rearm``, ``framer``, ``drain``,
+``first_wins``): the oracle must then fail, naming the invariant and the seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from tests.pdgate import mutations
+from tests.pdgate.oracle import Cluster, Scenario, run, scenarios
+from tests.procs import Procs
+
+EXAMPLES = int(os.environ.get("ORACLE_EXAMPLES", "25"))
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    procs = Procs()
+    try:
+        cl = Cluster(procs)
+        cl.start()
+        yield cl
+    finally:
+        procs.close()
+
+
+@pytest.mark.timeout(600)
+def test_the_promise_holds_in_generated_scenarios(cluster: Cluster) -> None:
+    undo = mutations.apply(os.environ.get("PDGATE_MUTATION", ""))
+    try:
+        @settings(max_examples=EXAMPLES, deadline=None, database=None, print_blob=True,
+                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+        @given(sc=scenarios())
+        def holds(sc: Scenario) -> None:
+            problems = asyncio.run(run(cluster, sc))
+            assert not problems, "the promise broke:\n  " + "\n  ".join(problems) + f"\nscenario: {sc}"
+
+        holds()
+    finally:
+        undo()
