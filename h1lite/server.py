@@ -21,6 +21,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any, cast
 from urllib.parse import parse_qsl, unquote
@@ -33,7 +34,7 @@ from h1lite.errors import HTTPError, NotFound, PayloadTooLarge, ProtocolError, e
 log = logging.getLogger("h1lite.server")
 
 MAX_HEADER_BYTES = 64 * 1024
-MAX_PIPELINED = 32  # requests queued behind the one being answered; beyond this the connection is not read
+MAX_HEADERS = 100  # as aiohttp (max_headers) and h11
 REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 REASONS[499] = b"Client Closed Request"
 
@@ -43,8 +44,8 @@ def error_response(exc: HTTPError) -> Response:
 
 
 class Request:
-    __slots__ = ("_query", "body", "headers", "keep_alive", "match", "method", "on_gone", "path", "proto",
-                 "query_string", "streaming", "too_large", "version")
+    __slots__ = ("_query", "body", "failed", "headers", "keep_alive", "match", "method", "on_gone", "path", "proto",
+                 "query_string", "stream", "too_large", "version")
 
     def __init__(self, proto: HttpProtocol, method: str, path: str, query_string: str, headers: dict[str, str],
                  version: str) -> None:
@@ -56,7 +57,8 @@ class Request:
         self.match: dict[str, str] = {}
         self.keep_alive = True
         self.too_large = False
-        self.streaming = False
+        self.failed: HTTPError | None = None  # refused before any handler runs (417)
+        self.stream: Stream | None = None  # the answer, once its head went out
         self._query: dict[str, str] | None = None
         # called instead of cancelling the handler task when the client goes away (a handler that ends
         # its work through its own cancel scope sets it)
@@ -68,10 +70,14 @@ class Request:
             self._query = dict(parse_qsl(self.query_string, keep_blank_values=True))
         return self._query
 
+    @property
+    def streaming(self) -> bool:
+        return self.stream is not None
+
     def open_stream(self, status: int, headers: dict[str, str]) -> Stream:
         """Send the status line and headers now; the body follows in ``write()`` or ``send()`` calls."""
-        self.streaming = True
-        return Stream(self, status, headers)
+        self.stream = Stream(self, status, headers)
+        return self.stream
 
 
 class Response:
@@ -94,7 +100,7 @@ class ClientGone(ConnectionError):
 class Stream:
     """A streamed (chunked) answer; ``HTTP/1.0`` clients get it unchunked, then the connection closes."""
 
-    __slots__ = ("chunked", "ended", "proto", "req")
+    __slots__ = ("chunked", "ended", "headless", "proto", "req", "sse")
 
     def __init__(self, req: Request, status: int, headers: dict[str, str]) -> None:
         self.req, self.proto = req, req.proto
@@ -102,6 +108,8 @@ class Stream:
         if not self.chunked:
             req.keep_alive = False
         self.ended = False
+        self.headless = req.method == "HEAD"  # the head only: a body is never sent
+        self.sse = any(k.lower() == "content-type" and v.startswith("text/event-stream") for k, v in headers.items())
         extra = b"Transfer-Encoding: chunked\r\n" if self.chunked else b""
         self.proto.write(head(status, headers, extra, req.keep_alive))
 
@@ -109,7 +117,7 @@ class Stream:
         """Write without waiting; the caller checks ``blocked`` (and ``on_writable``) for back-pressure."""
         if self.proto.closed:
             raise ClientGone("client closed the connection")
-        if data:
+        if data and not self.headless:
             self.proto.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
 
     @property
@@ -134,13 +142,44 @@ class Stream:
     def end(self) -> None:
         if not self.ended:
             self.ended = True
-            if self.chunked and not self.proto.closed:
+            if self.chunked and not self.proto.closed and not self.headless:
                 self.proto.write(b"0\r\n\r\n")
+
+    def fail(self, resp: Response | Stream) -> bool:
+        """The handler failed after this stream's head went out (``resp`` is the error it would have sent):
+        an SSE stream gets the error as an event and then its end; any other is cut (closed), since its
+        body cannot say so. Never a second status line. Returns whether the connection can be kept."""
+        if self.ended or self.proto.closed:
+            return False
+        if self.sse and isinstance(resp, Response) and not self.headless:
+            self.send(b"data: " + resp.body + b"\n\n")
+            self.end()
+            return True
+        self.ended = True
+        return False
+
+
+_date: list[Any] = [0, b""]  # (second, b"Date: ...\r\n"), made once a second
+
+
+def date_line() -> bytes:
+    now = int(time.time())
+    if _date[0] != now:
+        _date[0], _date[1] = now, b"Date: " + formatdate(now, usegmt=True).encode() + b"\r\n"
+    return cast(bytes, _date[1])
+
+
+BAD_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # uvicorn's HEADER_VALUE_RE: no CR, LF or other controls
 
 
 def head(status: int, headers: dict[str, str], extra: bytes, keep_alive: bool) -> bytes:
-    lines = [b"HTTP/1.1 %d %b\r\n" % (status, REASONS.get(status, b"Unknown"))]
-    lines.extend(f"{k}: {v}\r\n".encode() for k, v in headers.items())
+    """The status line and headers. A header name or value with CR, LF or another control character is a
+    ``ValueError`` (it would split the response: header injection)."""
+    lines = [b"HTTP/1.1 %d %b\r\n" % (status, REASONS.get(status, b"Unknown")), date_line()]
+    for k, v in headers.items():
+        if BAD_HEADER.search(k) or BAD_HEADER.search(v):
+            raise ValueError(f"invalid response header {k!r}: {v!r}")
+        lines.append(f"{k}: {v}\r\n".encode())
     if not keep_alive:
         lines.append(b"Connection: close\r\n")
     lines.append(extra)
@@ -191,18 +230,36 @@ class Router:
         return await self.resolve(req)(req)
 
 
+class Limits:
+    """The server's time limits, in seconds (uvicorn's ``timeout_keep_alive`` is 5 s; nginx's
+    ``client_header_timeout`` and ``client_body_timeout`` 60 s)."""
+
+    __slots__ = ("body_s", "head_s", "keepalive_s")
+
+    def __init__(self, keepalive_s: float = 75.0, head_s: float = 10.0, body_s: float = 60.0) -> None:
+        self.keepalive_s, self.head_s, self.body_s = keepalive_s, head_s, body_s
+
+
 class Server:
     """Owns the listening socket, the connections and their reaper."""
 
     def __init__(self, dispatch: Callable[[Request], Awaitable[Response | Stream]], max_body: int,
-                 keepalive_s: float = 75.0) -> None:
+                 keepalive_s: float = 75.0, head_timeout_s: float = 10.0, body_timeout_s: float = 60.0) -> None:
         self.dispatch = dispatch
         self.max_body = max_body
-        self.keepalive_s = keepalive_s
+        self.limits = Limits(keepalive_s, head_timeout_s, body_timeout_s)
         self.conns: set[HttpProtocol] = set()
         self.server: asyncio.AbstractServer | None = None
         self.reaper: asyncio.Task[None] | None = None
         self.draining = False
+
+    @property
+    def keepalive_s(self) -> float:
+        return self.limits.keepalive_s
+
+    @keepalive_s.setter
+    def keepalive_s(self, value: float) -> None:
+        self.limits.keepalive_s = value
 
     async def start(self, host: str, port: int, backlog: int = 1024) -> None:
         loop = asyncio.get_running_loop()
@@ -211,12 +268,22 @@ class Server:
         self.reaper = loop.create_task(self._reap())
 
     async def _reap(self) -> None:
-        """Close connections that sat idle (or half-sent a request) longer than the keep-alive time."""
+        """Close connections idle longer than the keep-alive time, and those whose request head (or body)
+        has taken longer than its limit to arrive, however many bytes trickle in (slowloris): 408."""
+        lim = self.limits
         while True:
-            await asyncio.sleep(min(5.0, self.keepalive_s / 2))
-            cutoff = time.monotonic() - self.keepalive_s
-            for c in [c for c in self.conns if c.task is None and c.last_active < cutoff]:
-                c.close()
+            await asyncio.sleep(min(1.0, lim.keepalive_s / 2, lim.head_s / 2, lim.body_s / 2))
+            now = time.monotonic()
+            for c in list(self.conns):
+                if c.task is not None:
+                    continue
+                if c.parsing_since is not None:
+                    limit = lim.head_s if c.req is None else lim.body_s
+                    if now - c.parsing_since > limit:
+                        what = "request head" if c.req is None else "request body"
+                        c.protocol_error(ProtocolError(408, f"{what} not received within {limit:g}s", "request_timeout"))
+                elif now - c.last_active > lim.keepalive_s:
+                    c.close()
 
     async def close(self, drain_s: float = 0.0, on_deadline: Callable[[], object] | None = None,
                     answer_s: float = 5.0) -> None:
@@ -247,6 +314,10 @@ class Server:
 
 
 class HttpProtocol(asyncio.Protocol):
+    """One client connection. Requests are parsed as they arrive and answered in order; reading pauses as
+    soon as one request waits behind the one being answered, every answer waits for the client's socket
+    to take it (back-pressure), and the loop gets a turn between pipelined answers."""
+
     def __init__(self, server: Server) -> None:
         self.server = server
         self.loop = asyncio.get_running_loop()
@@ -262,13 +333,18 @@ class HttpProtocol(asyncio.Protocol):
         self.last_active = time.monotonic()
         self.close_after = False
         self.reading_paused = False
+        self.parsing_since: float | None = None  # a request's first byte came at this time; None between requests
         # the request being parsed
         self.url = b""
         self.hdrs: dict[str, str] = {}
-        self.hdr_bytes = 0
+        self.hdr_bytes = 0  # of the headers parsed so far
+        self.head_read = 0  # bytes read since the head began, counted from the read after the one it began in
+        self.head_began = False  # a head began in the read being parsed
+        self.in_head = True  # between messages or in a request head
         self.body: list[bytes] = []
         self.body_size = 0
         self.req: Request | None = None
+        self.continue_due = False  # the request being parsed expects 100 Continue, not sent yet
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -282,6 +358,7 @@ class HttpProtocol(asyncio.Protocol):
         self.last_active = time.monotonic()
         if self.close_after:
             return
+        self.head_began = False
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -293,6 +370,15 @@ class HttpProtocol(asyncio.Protocol):
                                                                                  "bad_request"))
         except httptools.HttpParserError as exc:
             self.protocol_error(ProtocolError(400, f"malformed HTTP request: {exc}", "bad_request"))
+        else:
+            if self.in_head and self.parsing_since is not None and not self.head_began:
+                # a head still incomplete after a whole read of it: httptools accumulates a header value
+                # piecewise (quadratic) and reports it only once complete, so the head is bounded here, while
+                # it arrives (at most one read past the limit)
+                self.head_read += len(data)
+                if self.head_read > MAX_HEADER_BYTES:
+                    self.protocol_error(ProtocolError(431, f"request headers larger than {MAX_HEADER_BYTES} bytes",
+                                                      "headers_too_large"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -322,64 +408,100 @@ class HttpProtocol(asyncio.Protocol):
         self.url = b""
         self.hdrs = {}
         self.hdr_bytes = 0
+        self.head_read = 0
+        self.head_began = True
+        self.in_head = True
         self.body = []
         self.body_size = 0
         self.req = None
+        self.parsing_since = time.monotonic()
 
     def on_url(self, url: bytes) -> None:
         self.url += url
-        self.hdr_bytes += len(url)
-        if self.hdr_bytes > MAX_HEADER_BYTES:
+        if len(self.url) > MAX_HEADER_BYTES:
             raise ProtocolError(414, "request line too long", "uri_too_long")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.hdr_bytes += len(name) + len(value)
         if self.hdr_bytes > MAX_HEADER_BYTES:
             raise ProtocolError(431, f"request headers larger than {MAX_HEADER_BYTES} bytes", "headers_too_large")
+        if len(self.hdrs) >= MAX_HEADERS:
+            raise ProtocolError(431, f"more than {MAX_HEADERS} request headers", "headers_too_large")
         self.hdrs[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
         p = self.parser
         u = httptools.parse_url(self.url)
         path = u.path.decode("latin-1")
         req = self.req = Request(self, p.get_method().decode(), path, (u.query or b"").decode("latin-1"), self.hdrs,
                                  p.get_http_version())
         req.keep_alive = p.should_keep_alive()
+        expect = self.hdrs.get("expect")
         cl = self.hdrs.get("content-length")
         if cl is not None and cl.isdigit() and int(cl) > self.server.max_body:
-            req.too_large = True  # answered 413 without reading the body, and the connection closed
-            req.keep_alive = False
-        elif self.hdrs.get("expect", "").lower() == "100-continue" and self.transport is not None:
+            # answered 413 now, without reading the body (its bytes are never parsed: the connection closes)
+            req.too_large = True
+            self.stop_reading(req)
+        elif expect is not None and expect.lower() != "100-continue":
+            req.failed = ProtocolError(417, f"expectation {expect!r} is not supported", "expectation_failed")
+            self.stop_reading(req)
+        elif expect is not None:
+            self.continue_due = True
+            self.send_continue()
+
+    def stop_reading(self, req: Request) -> None:
+        """Answer ``req`` (in its turn) without its body, then close: nothing after it can be parsed."""
+        req.keep_alive = False
+        self.close_after = True
+        self.parsing_since = None
+        self.req = None
+        if self.transport is not None:
+            self.transport.pause_reading()
+            self.reading_paused = True
+        self.enqueue(req)
+
+    def send_continue(self) -> None:
+        """``100 Continue`` for the request being parsed, once nothing else is being answered (it would land
+        inside that answer): from the server's first wish to read the body, as uvicorn does."""
+        if self.continue_due and self.task is None and self.req is not None and self.transport is not None:
+            self.continue_due = False
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         req = self.req
         if req is None or req.too_large:
             return
+        self.continue_due = False  # the client did not wait for it
         self.body_size += len(body)
         if self.body_size > self.server.max_body:
             req.too_large = True
-            req.keep_alive = False
             self.body = []
+            self.stop_reading(req)
             return
         self.body.append(body)
 
     def on_message_complete(self) -> None:
         req = self.req
+        self.parsing_since = None
+        self.in_head = True
+        self.continue_due = False
         if req is None:
             return
         self.req = None
         req.body = b"".join(self.body) if len(self.body) != 1 else self.body[0]
         self.body = []
+        self.enqueue(req)
+
+    def enqueue(self, req: Request) -> None:
         if self.task is None:
             self.task = self.loop.create_task(self.handle(req))
-        else:
-            self.queue.append(req)  # pipelined: answered in order
-            if len(self.queue) >= MAX_PIPELINED and self.transport is not None and not self.reading_paused:
-                self.reading_paused = True
-                self.transport.pause_reading()
-        if req.too_large:
-            self.close_after = True  # the rest of this body is still on the wire: nothing after it can be parsed
+            return
+        # pipelined: answered in order, and nothing more is read meanwhile (what one read brought is bounded)
+        self.queue.append(req)
+        if self.transport is not None and not self.reading_paused:
+            self.reading_paused = True
+            self.transport.pause_reading()
 
     # -- ours
     def write(self, data: bytes) -> None:
@@ -398,6 +520,7 @@ class HttpProtocol(asyncio.Protocol):
 
     def protocol_error(self, exc: ProtocolError) -> None:
         self.close_after = True
+        self.parsing_since = None
         if self.task is None:
             body = error_json(exc)
             self.write(head(exc.status, {"Content-Type": "application/json"}, b"Content-Length: %d\r\n" % len(body),
@@ -410,6 +533,8 @@ class HttpProtocol(asyncio.Protocol):
             try:
                 if req.too_large:
                     raise PayloadTooLarge(f"request body is larger than {self.server.max_body} bytes")
+                if req.failed is not None:
+                    raise req.failed
                 resp = await self.server.dispatch(req)
             except HTTPError as exc:  # every error leaves in OpenAI's shape
                 resp = error_response(exc)
@@ -417,20 +542,29 @@ class HttpProtocol(asyncio.Protocol):
                 self.task = self.current = None
                 self.close()
                 return
-            except Exception:  # a bug: the client still gets an answer (or, mid-stream, a closed connection)
+            except Exception:  # a bug: the client still gets an answer (or, mid-stream, a cut stream)
                 log.exception("unhandled error in %s %s", req.method, req.path)
-                if req.streaming:
-                    self.task = self.current = None
-                    self.close()
-                    return
                 resp = error_response(HTTPError("internal error"))
             keep = req.keep_alive and not self.close_after and not self.server.draining
-            if isinstance(resp, Stream):
-                resp.end()
-                keep = keep and req.keep_alive
-            else:
-                self.write(head(resp.status, resp.headers, b"Content-Length: %d\r\n" % len(resp.body), keep)
-                           + (resp.body if req.method != "HEAD" else b""))
+            try:
+                if req.stream is not None:
+                    if resp is not req.stream:  # failed after its head went out: end it, never a second status line
+                        keep = req.stream.fail(resp)
+                    else:
+                        req.stream.end()
+                    keep = keep and req.keep_alive
+                else:
+                    assert isinstance(resp, Response)
+                    self.write(head(resp.status, resp.headers, b"Content-Length: %d\r\n" % len(resp.body), keep)
+                               + (resp.body if req.method != "HEAD" else b""))
+                if self.paused and not self.closed:  # back-pressure for every answer, not only streams
+                    await self.wait_writable()
+            except (ClientGone, ValueError) as exc:
+                if isinstance(exc, ValueError):  # an invalid response header: a bug of the handler
+                    log.error("invalid response to %s %s: %s", req.method, req.path, exc)
+                self.task = self.current = None
+                self.close()
+                return
             self.last_active = time.monotonic()
             self.current = None
             if not keep or self.closed:
@@ -439,8 +573,10 @@ class HttpProtocol(asyncio.Protocol):
                 return
             if not self.queue:
                 self.task = None
+                self.send_continue()  # a request that was waiting behind this answer may now send its body
+                if self.reading_paused and self.transport is not None:
+                    self.reading_paused = False
+                    self.transport.resume_reading()
                 return
             req = self.queue.popleft()
-            if self.reading_paused and self.transport is not None:
-                self.reading_paused = False
-                self.transport.resume_reading()
+            await asyncio.sleep(0)  # pipelined answers do not hold the loop: others get a turn between them

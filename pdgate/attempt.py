@@ -146,14 +146,15 @@ async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: B
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        w.breaker.failure(gw.now())
+        err = wrap(exc, "prefill", w.id)
+        w.failure(gw.now(), err.message)
         gw.kick(w)
-        raise wrap(exc, "prefill", w.id) from None
+        raise err from None
     now = gw.now()
     att.event(now, "prefill_done", status)
     if status != 200:
         raise leg_status(w, status, body, now)
-    w.breaker.success()
+    w.success(now)
     w.progress(now)
     w.unbind(bind)  # its part is done: it no longer holds this request (load, stall and restart checks)
     if not ctx.rec.stream:  # non-streaming: the prefill computed the first token; a stream's is decode's first event
@@ -173,21 +174,22 @@ async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes) -> bytes
             att.event(now, "decode_done")
             ctx.first_token(now)
             w.progress(now)
-            w.breaker.success()
+            w.success(now)
             return body
         async with gw.up().post(w.url, ctx.route, payload) as resp:
             att.event(gw.now(), "decode_headers", resp.status)
             if resp.status != 200:
                 raise leg_status(w, resp.status, await resp.read(), gw.now())
             await relay_stream(ctx, att, w, resp)
-            w.breaker.success()
+            w.success(gw.now())
             return b""
     except (asyncio.CancelledError, ClientGone, UpstreamError):
         raise
     except Exception as exc:
-        w.breaker.failure(gw.now())
+        err = wrap(exc, "decode", w.id)
+        w.failure(gw.now(), err.message)
         gw.kick(w)
-        raise wrap(exc, "decode", w.id) from None
+        raise err from None
 
 
 def leg_status(w: Worker, status: int, body: bytes, now: float) -> UpstreamStatus:
@@ -195,7 +197,7 @@ def leg_status(w: Worker, status: int, body: bytes, now: float) -> UpstreamStatu
     err = UpstreamStatus(f"{w.role} worker {w.id} answered {status}: {detail}", role=w.role, worker=w.id,
                          upstream_status=status, detail=detail)
     if err.retryable:
-        w.breaker.failure(now)
+        w.failure(now, err.message)
     return err
 
 

@@ -18,7 +18,7 @@ from pdgate.record import Attempt, Observer, Phase, Record, transition
 from pdgate.scope import Cause, Reason
 from pdgate.traces import Traces
 from pdgate.upstream import Upstream
-from pdgate.workers import Pool, Worker
+from pdgate.workers import Pool, State, Worker
 
 if TYPE_CHECKING:
     from pdgate.proxy import Ctx
@@ -31,7 +31,7 @@ class Gateway:
         self.cfg = cfg
         self.instance = cfg.instance_id or secrets.token_hex(4)
         self._seq = itertools.count(1)
-        self.pool = Pool(cfg.breaker, frozenset(cfg.models))
+        self.pool = Pool(cfg.breaker, frozenset(cfg.models), (self._on_worker,))
         self.traces = Traces(cfg.trace_ring)
         self.metrics = Metrics(self.traces.live_phases)
         self.observers: tuple[Observer, ...] = (self.metrics.on_transition,)
@@ -48,6 +48,26 @@ class Gateway:
             self.pool.add(spec)
         self.metrics.add_collector(lambda: worker_families(list(self.pool.by_id.values()), self.now(),
                                                            self.traces.oldest_age(self.now())))
+
+    def _on_worker(self, w: Worker, frm: State, to: State, cause: str) -> None:
+        """What follows a worker's move, in one place: its live requests failed over at once when it goes
+        down or restarted, traces told when it degrades, metrics and a log line for every move."""
+        self.metrics.worker_transitions.labels(w.id, to.value).inc()
+        if to is State.DOWN or to is State.RESTARTED:
+            lost = w.lose_all(f"{to.value}: {cause}")
+            self.metrics.lost.labels(w.id).inc(lost)
+            if to is State.RESTARTED:
+                self.metrics.restarts.labels(w.id).inc()
+            if frm is not State.UNKNOWN:
+                log.warning("worker %s (%s) %s: %s; %d live requests failed over", w.id, w.url, to.value, cause, lost)
+        elif to is State.DEGRADED:
+            for b in list(w.bound):
+                b.note("worker_degraded", f"{w.id}: {cause}")
+            log.warning("worker %s degraded: %s", w.id, cause)
+        elif to is State.BREAKER_OPEN:
+            log.warning("worker %s: %s", w.id, cause)
+        else:
+            log.info("worker %s %s -> %s: %s", w.id, frm.value, to.value, cause)
 
     def now(self) -> float:
         return self.clock()

@@ -19,7 +19,7 @@ from typing import Any
 
 from pdgate import protocol
 from pdgate.gateway import Gateway
-from pdgate.workers import Worker
+from pdgate.workers import Breaker, State, Worker
 
 log = logging.getLogger("pdgate.health")
 
@@ -74,7 +74,7 @@ def on_up(gw: Gateway, w: Worker, info: dict[str, Any]) -> None:
     restarted = None
     if w.identity is not None and ident is not None and ident != w.identity:
         restarted = "new identity"
-    elif w.checked and not w.healthy and w.health_failures >= gw.cfg.health.failures and ident is None:
+    elif w.checked and w.state is State.DOWN and ident is None:
         restarted = "health down->up"
     if ident is not None:
         w.identity = ident
@@ -82,41 +82,33 @@ def on_up(gw: Gateway, w: Worker, info: dict[str, Any]) -> None:
     served = info.get("served_model_name") or info.get("model_path")
     gw.pool.set_models(w, (served,) if isinstance(served, str) else ())
     w.has_extension = info.get("pdgate_engine") is not None
-    w.healthy, w.health_failures, w.last_error = True, 0, None
+    w.health_failures, w.last_error = 0, None
+    now = gw.now()
     if restarted:
         w.restarts += 1
-        gw.metrics.restarts.labels(w.id).inc()
-        lost = w.lose_all(f"restarted ({restarted})")
-        gw.metrics.lost.labels(w.id).inc(lost)
         w.breaker.success()
-        log.warning("worker %s (%s) restarted: %s; %d live requests failed over", w.id, w.url, restarted, lost)
+        w.transition(State.RESTARTED, now, restarted)
+    if not w.healthy:
+        w.transition(State.UP if w.breaker.state is Breaker.CLOSED else State.BREAKER_OPEN, now, "health check passed")
 
 
 def on_failed_check(gw: Gateway, w: Worker) -> None:
     w.health_failures += 1
-    if w.health_failures >= gw.cfg.health.failures and (w.healthy or not w.checked):
-        was = w.healthy
-        w.healthy = False
+    if w.health_failures >= gw.cfg.health.failures and w.state is not State.DOWN:
         w.info_path = None  # whatever comes back up may be another engine
-        lost = w.lose_all(f"down ({w.last_error})")
-        gw.metrics.lost.labels(w.id).inc(lost)
-        if was:
-            log.warning("worker %s (%s) down: %s; %d live requests failed over", w.id, w.url, w.last_error, lost)
+        w.transition(State.DOWN, gw.now(), w.last_error or "health check failed")
 
 
 def check_progress(gw: Gateway, w: Worker) -> None:
+    now = gw.now()
     if w.degraded and w.busy_since is None:
         # the evidence (our stuck requests) is gone; it gets new requests again and, if still
         # stuck, is degraded again after degraded_after_s
-        w.degraded = False
-        log.info("worker %s no longer holds stuck requests; available again", w.id)
+        w.transition(State.UP, now, "no longer holds stuck requests")
         return
-    stalled = w.stalled_for(gw.now())
-    if stalled >= gw.cfg.health.degraded_after_s and not w.degraded:
-        w.degraded = True
-        for b in list(w.bound):
-            b.note("worker_degraded", f"{w.id}: no progress for {stalled:.1f}s")
-        log.warning("worker %s degraded: holds %d of our requests with no progress for %.1fs", w.id, w.load, stalled)
+    stalled = w.stalled_for(now)
+    if stalled >= gw.cfg.health.degraded_after_s and w.state in (State.UP, State.HALF_OPEN):
+        w.transition(State.DEGRADED, now, f"holds {w.load} of our requests with no progress for {stalled:.1f}s")
 
 
 async def run(gw: Gateway, w: Worker) -> None:

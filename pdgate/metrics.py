@@ -69,6 +69,8 @@ class Metrics:
         self.aborts = Counter("pdgate_aborts_sent", "Aborts sent to engines by role and result", ["role", "result"],
                               registry=r)
         self.retries = Counter("pdgate_retries", "Retries by reason", ["reason"], registry=r)
+        self.worker_transitions = Counter("pdgate_worker_transitions", "Worker state changes by the state entered",
+                                          ["worker", "state"], registry=r)
         self.restarts = Counter("pdgate_worker_restarts", "Worker restarts detected", ["worker"], registry=r)
         self.lost = Counter("pdgate_worker_lost_requests", "Live requests failed or retried at once because their worker was lost",
                             ["worker"], registry=r)

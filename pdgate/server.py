@@ -83,7 +83,7 @@ async def remove_worker(app: App, request: Request) -> Response:
     wid = request.match["id"]
     if wid not in gw.pool.by_id:
         raise NotFound(f"no worker {wid}")
-    w = gw.pool.remove(wid)
+    w = gw.pool.remove(wid, gw.now())
     task = app.health_tasks.pop(wid, None)
     if task is not None:
         task.cancel()

@@ -1,14 +1,24 @@
-"""Worker state: health, identity, circuit breaker, live load and progress. No I/O.
+"""Worker state: a state machine over health, restarts, gray failure and the circuit breaker; identity,
+live load and progress. No I/O.
 
-The health checker (``health.py``) and the request path feed it; pair selection reads
-``available``. A worker that holds our live requests but makes no progress on any of
-them for ``degraded_after_s`` is *degraded* (a gray failure ``/health`` does not see):
-it gets no new requests until it makes progress again.
+Like the request record: declared states (``State``), a table of allowed moves (``ALLOWED``), one
+``transition()`` that checks the move, stamps it with its cause and hands it to the observers (metrics,
+logs, the traces of the requests bound to the worker). The health checker (``health.py``) and the request
+path feed it; pair selection reads ``available``.
+
+    unknown ──► up ◄──► degraded            (holding our requests with no progress for degraded_after_s)
+                │ ▲
+                ▼ │ success
+         breaker_open ──cooldown──► half_open (one probe)
+    any live state ──► down ──► restarted ──► up    (restarted also from up: a new engine identity)
+    any state ──► removed
 """
 
 from __future__ import annotations
 
 import enum
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -50,6 +60,41 @@ class CircuitBreaker:
             self.state, self.opened_at, self.probing = Breaker.OPEN, now, False
 
 
+class State(enum.Enum):
+    UNKNOWN = "unknown"  # not checked yet
+    UP = "up"
+    DEGRADED = "degraded"
+    BREAKER_OPEN = "breaker_open"
+    HALF_OPEN = "half_open"
+    DOWN = "down"
+    RESTARTED = "restarted"  # passed through on the way back up: its live requests were failed over
+    REMOVED = "removed"
+
+    __hash__ = object.__hash__
+
+
+SERVING = frozenset({State.UP, State.DEGRADED, State.BREAKER_OPEN, State.HALF_OPEN})
+ALLOWED: dict[State, frozenset[State]] = {
+    State.UNKNOWN: frozenset({State.UP, State.DOWN, State.REMOVED}),
+    State.UP: frozenset({State.DEGRADED, State.BREAKER_OPEN, State.DOWN, State.RESTARTED, State.REMOVED}),
+    State.DEGRADED: frozenset({State.UP, State.BREAKER_OPEN, State.DOWN, State.RESTARTED, State.REMOVED}),
+    State.BREAKER_OPEN: frozenset({State.HALF_OPEN, State.UP, State.DOWN, State.RESTARTED, State.REMOVED}),
+    State.HALF_OPEN: frozenset({State.UP, State.BREAKER_OPEN, State.DEGRADED, State.DOWN, State.RESTARTED,
+                                State.REMOVED}),
+    State.DOWN: frozenset({State.UP, State.RESTARTED, State.REMOVED}),
+    State.RESTARTED: frozenset({State.UP, State.DOWN, State.REMOVED}),
+    State.REMOVED: frozenset(),
+}
+
+
+class IllegalWorkerTransition(Exception):
+    def __init__(self, wid: str, frm: State, to: State) -> None:
+        super().__init__(f"worker {wid}: {frm.value} -> {to.value} is not allowed")
+
+
+WorkerObserver = Callable[["Worker", State, State, str], None]
+
+
 class Bound(Protocol):
     """A live attempt bound to a worker; told at once when the worker is lost."""
 
@@ -63,7 +108,9 @@ class Worker:
     id: str
     spec: WorkerSpec
     breaker: CircuitBreaker
-    healthy: bool = False
+    observers: tuple[WorkerObserver, ...] = ()
+    state: State = State.UNKNOWN
+    history: deque[tuple[float, str, str]] = field(default_factory=lambda: deque(maxlen=32))  # (t, state, cause)
     checked: bool = False
     health_failures: int = 0
     identity: str | None = None
@@ -74,7 +121,6 @@ class Worker:
     bound: set[Bound] = field(default_factory=set)
     last_progress: float = 0.0
     busy_since: float | None = None
-    degraded: bool = False
     engine: dict[str, Any] = field(default_factory=dict)  # last engine-reported queue counts
     has_extension: bool | None = None
     info_path: bool | None = None  # offers /pdgate/v1/info (None: not asked yet)
@@ -93,8 +139,48 @@ class Worker:
     def load(self) -> int:
         return len(self.bound)
 
+    @property
+    def healthy(self) -> bool:
+        return self.state in SERVING
+
+    @property
+    def degraded(self) -> bool:
+        return self.state is State.DEGRADED
+
+    def transition(self, to: State, now: float, cause: str) -> None:
+        """Move to ``to``, for ``cause``; the one place a worker's state changes."""
+        frm = self.state
+        if to is frm:
+            return
+        if to not in ALLOWED[frm]:
+            raise IllegalWorkerTransition(self.id, frm, to)
+        self.state = to
+        self.history.append((now, to.value, cause))
+        for obs in self.observers:
+            obs(self, frm, to, cause)
+
     def available(self, now: float) -> bool:
-        return self.healthy and not self.degraded and self.breaker.allow(now)
+        st = self.state
+        if st is State.UP:
+            return True
+        if st is State.BREAKER_OPEN or st is State.HALF_OPEN:
+            allowed = self.breaker.allow(now)  # cools down OPEN -> HALF_OPEN; one probe at a time
+            if self.breaker.state is Breaker.HALF_OPEN and st is State.BREAKER_OPEN:
+                self.transition(State.HALF_OPEN, now, f"breaker cooled down after {self.breaker.cfg.cooldown_s:g}s")
+            return allowed
+        return False
+
+    # -- what the request path reports
+    def failure(self, now: float, cause: str) -> None:
+        """A leg failed on this worker (connect error, 5xx/429): counts towards its breaker."""
+        self.breaker.failure(now)
+        if self.breaker.state is Breaker.OPEN and self.state in SERVING and self.state is not State.BREAKER_OPEN:
+            self.transition(State.BREAKER_OPEN, now, f"breaker opened after {self.breaker.failures} failures: {cause}")
+
+    def success(self, now: float) -> None:
+        self.breaker.success()
+        if self.state is State.BREAKER_OPEN or self.state is State.HALF_OPEN:
+            self.transition(State.UP, now, "breaker closed: a request succeeded")
 
     def bind(self, b: Bound, now: float) -> None:
         if not self.bound:
@@ -109,7 +195,8 @@ class Worker:
 
     def progress(self, now: float) -> None:
         self.last_progress = now
-        self.degraded = False
+        if self.state is State.DEGRADED:
+            self.transition(State.UP, now, "made progress again")
 
     def stalled_for(self, now: float) -> float:
         """Seconds this worker has held our requests without progress on any (0 when idle)."""
@@ -126,8 +213,8 @@ class Worker:
     def view(self, now: float) -> dict[str, Any]:
         return {
             "id": self.id, "role": self.role, "url": self.url, "bootstrap_port": self.spec.bootstrap_port,
-            "healthy": self.healthy, "available": self.available(now), "degraded": self.degraded,
-            "breaker": self.breaker.state.value, "identity": self.identity, "restarts": self.restarts,
+            "state": self.state.value, "healthy": self.healthy, "available": self.available(now),
+            "degraded": self.degraded, "breaker": self.breaker.state.value, "identity": self.identity, "restarts": self.restarts,
             "load": self.load, "stalled_s": round(self.stalled_for(now), 3), "fixes": self.fixes,
             "models": list(self.models), "last_error": self.last_error, "engine": self.engine,
             "orphans": self.orphans, "drift": self.drift,
@@ -137,8 +224,10 @@ class Worker:
 class Pool:
     """All workers by id, with per-role lists kept for the hot path."""
 
-    def __init__(self, breaker: BreakerConfig, configured_models: frozenset[str] = frozenset()) -> None:
+    def __init__(self, breaker: BreakerConfig, configured_models: frozenset[str] = frozenset(),
+                 observers: tuple[WorkerObserver, ...] = ()) -> None:
         self._breaker = breaker
+        self.observers = observers
         self._configured = configured_models
         self._models = configured_models  # served models, kept current: read on every admission
         self.by_id: dict[str, Worker] = {}
@@ -152,13 +241,14 @@ class Pool:
                 raise ValueError(f"{spec.role} worker {spec.url} is already registered as {w.id}")
         wid = f"{spec.role[0]}{self._seq[spec.role]}"
         self._seq[spec.role] += 1
-        w = Worker(wid, spec, CircuitBreaker(self._breaker))
+        w = Worker(wid, spec, CircuitBreaker(self._breaker), self.observers)
         self.by_id[wid] = w
         getattr(self, spec.role).append(w)
         return w
 
-    def remove(self, wid: str) -> Worker:
+    def remove(self, wid: str, now: float) -> Worker:
         w = self.by_id.pop(wid)
+        w.transition(State.REMOVED, now, "removed by an operator")
         getattr(self, w.role).remove(w)
         self._refresh_models()
         return w

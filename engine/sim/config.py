@@ -39,6 +39,7 @@ def _seconds(v: Any) -> float:
 FAULTS: dict[str, Any] = {
     "decode_crash": _flag,
     "decode_freeze": _flag,
+    "decode_stall": _flag,  # decode: tokens stop while /health and everything else still answer (a gray failure)
     "abort_race": _flag,
     "bootstrap_loss": _flag,
     "ack_loss": _flag,

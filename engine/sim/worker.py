@@ -398,6 +398,8 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
             await self.unfrozen.wait()
+            while self.cfg.faults.decode_stall:  # a gray failure: no step, while HTTP answers as usual
+                await asyncio.sleep(0.01)
             batch = list(self._running)
             ctx = sum(r.context for r in batch)
             await asyncio.sleep(self.cfg.timing.decode_step_s(len(batch), ctx))

@@ -12,6 +12,8 @@ scenario's seed; the same seed replays the sims' segmentation.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import os
 import signal
 import time
@@ -31,10 +33,11 @@ from tests.procs import Procs, Sim, wait_http
 
 TOL = 0.35  # seconds a terminal answer may come after the budget that applies (timers, a loaded 2-core CI)
 TOTAL, TTFT, IDLE = 4.0, 3.0, 2.0  # the gateway's defaults in the oracle: every scenario ends within seconds
+DECODE_ARGS = ("--speed", "8")  # ~30 ms a token: streams last long enough for faults to land in them
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
-SIM_FAULTS = ("slow_prefill", "decode_freeze", "http_500_rate", "slow_first_token", "decode_crash", "abort_race",
+SIM_FAULTS = ("slow_prefill", "decode_freeze", "decode_stall", "http_500_rate", "slow_first_token", "decode_crash", "abort_race",
               "ack_loss", "bootstrap_loss", "slow_accept")
-OFF = {"slow_prefill": 0, "decode_freeze": False, "http_500_rate": 0, "slow_first_token": 0, "decode_crash": False,
+OFF = {"slow_prefill": 0, "decode_freeze": False, "decode_stall": False, "http_500_rate": 0, "slow_first_token": 0, "decode_crash": False,
        "abort_race": False, "ack_loss": False, "bootstrap_loss": False, "slow_accept": 0}
 
 
@@ -54,7 +57,7 @@ class Req:
 @dataclass(frozen=True)
 class Fault:
     at: float
-    worker: int  # index into the scenario's sims
+    worker: int  # index into the scenario's sims, or ALL_DECODES
     kind: str  # a sim fault, or "sigkill" / "sigstop"
     value: float
     lasts: float
@@ -71,7 +74,7 @@ class Scenario:
     at_deadline: str | None  # "drain" | "abort": fired by a timer at the first request's due time
 
 
-budget = st.one_of(st.none(), st.floats(0.1, 3.0).map(lambda x: round(x, 2)))
+budget = st.one_of(st.none(), st.floats(0.1, 3.0).map(lambda x: round(x, 2)), st.sampled_from((0.2, 0.5, 1.0)))
 
 
 @st.composite
@@ -83,21 +86,47 @@ def requests(draw: st.DrawFn) -> Req:
                leave_after=draw(st.integers(1, 6)), start=draw(st.floats(0, 0.3)))
 
 
+ALL_DECODES = 4
+DECODE_SIDE = ("decode_freeze", "decode_stall", "slow_first_token", "decode_crash", "ack_loss", "bootstrap_loss")
+PREFILL_SIDE = ("slow_prefill",)
+
+
 @st.composite
 def faults(draw: st.DrawFn) -> Fault:
-    kind = draw(st.sampled_from((*SIM_FAULTS, "sigkill", "sigstop")))
-    return Fault(at=draw(st.floats(0, 1.0)), worker=draw(st.integers(0, 3)), kind=kind,
-                 value=draw(st.sampled_from((0.3, 0.8, 1.5))), lasts=draw(st.floats(0.2, 1.5)))
+    # stalls of a decode mid-stream (the faults behind most stuck requests) are drawn more often
+    kind = draw(st.sampled_from((*SIM_FAULTS, "decode_stall", "decode_stall", "decode_freeze", "sigkill", "sigstop")))
+    worker = draw(st.sampled_from((2, 3, ALL_DECODES)) if kind in DECODE_SIDE else st.integers(0, 1) if kind in PREFILL_SIDE
+                  else st.integers(0, 3))
+    return Fault(at=draw(st.floats(0, 0.8)), worker=worker, kind=kind,
+                 value=draw(st.sampled_from((0.3, 0.8, 1.5))), lasts=draw(st.floats(0.2, 2.0)))
 
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> Scenario:
+def free_scenarios(draw: st.DrawFn) -> Scenario:
     drain = draw(st.one_of(st.none(), st.none(), st.none(), st.floats(0.2, 1.5)))
     return Scenario(seed=draw(st.integers(0, 2**31)), segment=draw(st.sampled_from((0.0, 0.5, 1.0))),
                     reqs=tuple(draw(st.lists(requests(), min_size=1, max_size=4))),
                     faults=tuple(draw(st.lists(faults(), max_size=2))), drain=drain,
                     drain_s=draw(st.sampled_from((0.0, 0.3))),
                     at_deadline=draw(st.sampled_from((None, None, None, "drain", "abort"))))
+
+
+@st.composite
+def stalled_streams(draw: st.DrawFn) -> Scenario:
+    """The shape behind most stuck requests, drawn often on purpose: streams under way when every decode
+    stops making tokens (a gray failure: /health still answers) or answers its first token late."""
+    reqs = tuple(Req(route=draw(st.sampled_from(ROUTES)), stream=True, max_tokens=draw(st.integers(12, 40)),
+                     total=draw(budget), ttft=draw(budget), idle=draw(st.sampled_from((0.2, 0.4, 0.8))),
+                     client="reads", leave_after=1, start=draw(st.floats(0, 0.1)))
+                 for _ in range(draw(st.integers(1, 3))))
+    kind = draw(st.sampled_from(("decode_stall", "decode_stall", "slow_first_token")))
+    fault = Fault(at=draw(st.floats(0.05, 0.4)), worker=ALL_DECODES, kind=kind,
+                  value=draw(st.sampled_from((0.5, 1.0, 1.5))), lasts=draw(st.floats(0.8, 2.5)))
+    return Scenario(seed=draw(st.integers(0, 2**31)), segment=draw(st.sampled_from((0.0, 0.5, 1.0))), reqs=reqs,
+                    faults=(fault,), drain=None, drain_s=0.0, at_deadline=None)
+
+
+scenarios = lambda: st.one_of(free_scenarios(), stalled_streams())  # noqa: E731
 
 
 @dataclass
@@ -108,7 +137,7 @@ class Cluster:
     sims: list[Sim] = field(default_factory=list)
 
     def start(self) -> None:
-        for role, extra in (("prefill", ()), ("prefill", ()), ("decode", ("--speed", "5")), ("decode", ("--speed", "5"))):
+        for role, extra in (("prefill", ()), ("prefill", ()), ("decode", DECODE_ARGS), ("decode", DECODE_ARGS)):
             self.sims.append(self.procs.sim(role, *extra))
 
     def revive(self) -> None:
@@ -117,7 +146,7 @@ class Cluster:
             if s.proc.popen.poll() is None:
                 os.kill(s.proc.pid, signal.SIGCONT)
                 continue
-            extra = ("--speed", "5") if s.role == "decode" else ()
+            extra = DECODE_ARGS if s.role == "decode" else ()
             self.sims[i] = self.procs.sim(s.role, *extra, port=s.port, bootstrap_port=s.bootstrap_port, wait=False)
             wait_http(f"{self.sims[i].url}/health", proc=self.sims[i].proc.popen)
 
@@ -152,6 +181,9 @@ async def client(http: aiohttp.ClientSession, url: str, r: Req) -> Seen:
 
 async def inject(http: aiohttp.ClientSession, cl: Cluster, f: Fault) -> None:
     await asyncio.sleep(f.at)
+    if f.worker == ALL_DECODES:
+        await asyncio.gather(*(inject(http, cl, dataclasses.replace(f, at=0, worker=i)) for i in (2, 3)))
+        return
     s = cl.sims[f.worker]
     if f.kind == "sigkill":
         os.kill(s.proc.pid, signal.SIGKILL)
@@ -162,7 +194,7 @@ async def inject(http: aiohttp.ClientSession, cl: Cluster, f: Fault) -> None:
         os.kill(s.proc.pid, signal.SIGCONT)
         return
     value: Any = {"http_500_rate": 0.5}.get(f.kind, f.value)
-    if f.kind in ("decode_freeze", "decode_crash", "abort_race", "ack_loss", "bootstrap_loss"):
+    if f.kind in ("decode_freeze", "decode_stall", "decode_crash", "abort_race", "ack_loss", "bootstrap_loss"):
         value = True
     try:
         await set_faults(http, s, **{f.kind: value})
@@ -208,8 +240,10 @@ async def run(cl: Cluster, sc: Scenario) -> list[str]:
             side = [asyncio.create_task(inject(http, cl, f)) for f in sc.faults]
             if sc.at_deadline:
                 side.append(asyncio.create_task(at_deadline(g, sc.at_deadline)))
+            drained_at = None
             if sc.drain is not None:
                 await asyncio.sleep(sc.drain)
+                drained_at = time.monotonic()
                 await g.close()
                 closed = True
             seen = await asyncio.gather(*work)
@@ -219,8 +253,9 @@ async def run(cl: Cluster, sc: Scenario) -> list[str]:
                 if not g.gw.live:
                     break
                 await asyncio.sleep(0.02)
-            problems = [p for r, s in zip(sc.reqs, seen, strict=True) for p in check_client(g, r, s)]
-            problems += [p for rec in list(g.gw.traces.finished.values()) for p in check_record(rec)]
+            problems = [p for r, s in zip(sc.reqs, seen, strict=True) for p in check_client(g, r, s, drained_at)]
+            drain_by = None if drained_at is None else drained_at + sc.drain_s
+            problems += [p for rec in list(g.gw.traces.finished.values()) for p in check_record(rec, drain_by)]
             problems += [f"terminal-outcome: {rid} still live" for rid in g.gw.traces.live]
             problems += await leftovers(http, g, cl)
         finally:
@@ -229,17 +264,24 @@ async def run(cl: Cluster, sc: Scenario) -> list[str]:
     return [f"{p} [seed {sc.seed}]" for p in problems]
 
 
-def check_record(rec: Record) -> list[str]:
-    """What every finished record must show, whoever ended it: no life past the budget due, and a deadline
-    outcome that names the budget that was due first given its recorded token times."""
+def check_record(rec: Record, drain_by: float | None = None) -> list[str]:
+    """What every finished record must show, whoever ended it: no life past the budget due, nor past the
+    drain (``drain_by``: when the drain started + drain_s), and a deadline outcome that names the budget that
+    was due first given its recorded token times."""
     if rec.live or rec.finished_at is None:
         return [f"terminal-outcome: {rec.id} has no terminal record"]
     out = []
     end = rec.finished_at
+    if drain_by is not None and rec.created < drain_by and end > drain_by + TOL:
+        out.append(f"drain-answers: {rec.id} ended {end - drain_by:.3f}s after the drain's end ({rec.outcome}: {rec.reason})")
     kind, due_at = rec.due()
     if end > due_at + TOL:
         out.append(f"within-deadline: {rec.id} ended {end - due_at:.3f}s after its {kind} budget was due "
                    f"({rec.outcome.value if rec.outcome else None}: {rec.reason})")
+    ft = rec.first_token_at
+    if ft is not None and ft - rec.created > rec.deadlines.ttft_s + TOL:
+        out.append(f"ttft-enforced: {rec.id} got its first token {ft - rec.created:.3f}s in, past its TTFT budget "
+                   f"of {rec.deadlines.ttft_s:g}s")
     if rec.outcome is Phase.DEADLINE_EXCEEDED:
         named = (rec.reason or "").split(" ", 1)[0]
         if named != kind:
@@ -249,10 +291,12 @@ def check_record(rec: Record) -> list[str]:
     return out
 
 
-def check_client(g: Running, r: Req, s: Seen) -> list[str]:
+def check_client(g: Running, r: Req, s: Seen, drained_at: float | None) -> list[str]:
     """What the client must have seen: a terminal answer that agrees with the record."""
     if s.error == "left":
         return []
+    if s.rid is None and drained_at is not None and s.sent_at >= drained_at and "Connect call failed" in (s.error or ""):
+        return []  # sent after the gateway stopped listening: refused, as it should be
     if s.rid is None:
         return [f"terminal-answer: {r} got no answer: {s.error}"]
     rec = g.gw.traces.get(s.rid)
@@ -281,6 +325,12 @@ def check_client(g: Running, r: Req, s: Seen) -> list[str]:
             out.append(f"terminal-answer: {s.rid} status {s.status} without an OpenAI error body: {s.body[:80]!r}")
         if s.status != rec.status:
             out.append(f"status-agrees: {s.rid} client got {s.status}, the record says {rec.status}")
+    if r.stream and s.events and r.client != "slow_reader":  # no gap between tokens the idle budget allows
+        times = [t for t, _ in s.events]
+        gap = max((b - a for a, b in itertools.pairwise(times)), default=0.0)
+        if gap > rec.deadlines.idle_s + TOL:
+            out.append(f"idle-enforced: {s.rid} client waited {gap:.3f}s between events, its idle budget is "
+                       f"{rec.deadlines.idle_s:g}s ({rec.outcome}: {rec.reason})")
     if r.stream and s.tokens and rec.first_token_at is not None and r.client != "slow_reader":
         seen_ttft = s.tokens[0] - s.sent_at
         if abs(seen_ttft - (rec.first_token_at - rec.created)) > 0.1:

@@ -185,3 +185,44 @@ def test_finished_traces_are_a_bounded_ring() -> None:
         t.finish(r)
     assert not t.live and list(t.finished) == [f"pdg-{i}" for i in range(7, 12)]  # the newest five, oldest first
     assert t.get("pdg-6") is None and t.get("pdg-11") is recs[11]
+
+
+def test_worker_state_machine_checks_moves_and_tells_observers() -> None:
+    from pdgate.config import WorkerSpec
+    from pdgate.workers import ALLOWED as W_ALLOWED
+    from pdgate.workers import IllegalWorkerTransition, Pool, State
+
+    seen: list[tuple[str, str, str, str]] = []
+    pool = Pool(BreakerConfig(failures=2, cooldown_s=5), observers=(lambda w, a, b, c: seen.append((w.id, a.value, b.value, c)),))
+    w = pool.add(WorkerSpec(url="http://127.0.0.1:1", role="decode"))
+    assert w.state is State.UNKNOWN and not w.healthy and not w.available(0.0)
+    w.transition(State.UP, 0.0, "health check passed")
+    assert w.available(0.0)
+    w.failure(1.0, "502")
+    w.failure(2.0, "502")
+    assert w.state is State.BREAKER_OPEN and not w.available(2.0) and w.healthy
+    assert w.available(7.0) and w.state is State.HALF_OPEN  # cooled down: one probe
+    w.success(7.5)
+    assert w.state is State.UP
+    with pytest.raises(IllegalWorkerTransition):
+        w.transition(State.UNKNOWN, 8.0, "no way back")
+    pool.remove(w.id, 9.0)
+    assert w.state is State.REMOVED and not W_ALLOWED[State.REMOVED]
+    assert [s[2] for s in seen] == ["up", "breaker_open", "half_open", "up", "removed"]
+    assert seen[1][3].startswith("breaker opened after 2 failures: 502")
+    assert [h[1] for h in w.history] == ["up", "breaker_open", "half_open", "up", "removed"]
+
+
+def test_worker_lost_carries_structured_fields() -> None:
+    from pdgate.attempt import Bind
+    from pdgate.record import Attempt
+    from pdgate.scope import Cause
+
+    b = Bind(None, Attempt(n=1, rid="pdg-x.1", prefill="p0", decode="d1", room=1))  # type: ignore[arg-type]
+    b.lose("d1", "decode", "down: ConnectFailed")
+    reason = b.scope.reason
+    assert reason is not None and reason.cause is Cause.WORKER_LOST
+    err = reason.error
+    assert (err.worker, err.role, err.cause) == ("d1", "decode", "down: ConnectFailed")  # type: ignore[union-attr]
+    b.fail(RuntimeError("later"))
+    assert b.scope.reason is reason, "first reason wins"

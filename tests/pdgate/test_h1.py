@@ -35,6 +35,7 @@ class Front:
         self.router.add("GET", "/items/{id}", self.item)
         self.router.add("GET", "/boom", self.boom)
         self.router.add("GET", "/boom-stream", self.boom_stream)
+        self.router.add("GET", "/boom-octets", self.boom_octets)
         self.server = Server(self.router.dispatch, MAX_BODY)
         self.port = free_port()
 
@@ -57,6 +58,11 @@ class Front:
     async def boom_stream(self, req: Request) -> Stream:
         s = req.open_stream(200, {"Content-Type": "text/event-stream"})
         await s.write(b"data: 0\n\n")
+        raise RuntimeError("a bug mid-stream")
+
+    async def boom_octets(self, req: Request) -> Stream:
+        s = req.open_stream(200, {"Content-Type": "application/octet-stream"})
+        await s.write(b"abcd")
         raise RuntimeError("a bug mid-stream")
 
     async def hang(self, req: Request) -> Response:
@@ -158,7 +164,11 @@ async def test_a_handler_bug_is_a_500_or_a_cut_stream(front: Front, caplog: pyte
     out = await exchange(front.port, b"GET /boom HTTP/1.1\r\nHost: x\r\n\r\nGET /fast HTTP/1.1\r\nHost: x\r\n\r\n", 0.5)
     assert error_code(out.split(b"HTTP/1.1 200")[0]) == (500, "internal_error") and out.endswith(b"fast")
     out = await exchange(front.port, b"GET /boom-stream HTTP/1.1\r\nHost: x\r\n\r\n", 2.0)
-    assert out.endswith(b"data: 0\n\n\r\n"), "no terminating chunk: the client sees the stream cut, not completed"
+    assert out.count(b"HTTP/1.1 ") == 1, "never a second status line inside the stream"
+    assert b"data: 0\n\n\r\n" in out and b'data: {"error":{"message":"internal error"' in out
+    assert out.endswith(b"\n\n\r\n0\r\n\r\n"), "an SSE stream says why it ends, then ends"
+    out = await exchange(front.port, b"GET /boom-octets HTTP/1.1\r\nHost: x\r\n\r\n", 2.0)
+    assert out.count(b"HTTP/1.1 ") == 1 and out.endswith(b"4\r\nabcd\r\n"), "any other stream is cut: no terminator"
     assert "a bug mid-stream" in caplog.text
 
 
@@ -266,10 +276,11 @@ OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 @pytest.mark.parametrize("keepalive_s", [0.4, 60.0])
 async def test_idle_and_half_sent_connections_are_reaped(keepalive_s: float) -> None:
-    """A connection that sends nothing, or half a request and then nothing (slowloris), is closed after
-    ``keepalive_s``; with a long keep-alive both are still open when we look."""
+    """A connection that sends nothing is closed after ``keepalive_s``, one that sent half a request and
+    then nothing after the head timeout (here the same); with long limits both are still open when we look."""
     f = Front()
     f.server.keepalive_s = keepalive_s
+    f.server.limits.head_s = keepalive_s
     await f.server.start("127.0.0.1", f.port)
     try:
         idle = await asyncio.open_connection("127.0.0.1", f.port)
