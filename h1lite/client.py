@@ -3,18 +3,28 @@ protocols, httptools (llhttp) parsing.
 
 aiohttp's client costs ~110 µs of CPU per request on this kind of machine, and a PD request
 makes two; this one does what the legs need and nothing more: pooled keep-alive connections
-per origin with TCP_NODELAY, one ``write`` per request, the body delivered as the parser
-hands it over (whole for ``read()``, as it arrives for ``pipe()``), and a connection that
-is not at a message boundary is never reused. Errors are ``OSError`` subclasses
-(``ConnectFailed``, ``UpstreamClosed``), wrapped by
-``pdgate.upstream.wrap`` into the gateway's error tree.
+per origin with TCP_NODELAY (capped, open and idle), one ``write`` per request, the body
+delivered as the parser hands it over (whole for ``read()``, bounded by ``max_body``; as it
+arrives for ``pipe()``), response headers kept, and a connection that is not at a message
+boundary is never reused.
+
+Idle connections expire after ``idle_s`` (4 s by default: SGLang's uvicorn closes keep-alive
+connections idle for 5 s, ``SGLANG_TIMEOUT_KEEP_ALIVE``), and one the engine closed anyway is
+not reused. A request on a reused connection that the engine closed before a byte of the answer
+came (the engine's keep-alive close racing our request: it never saw it) is sent once more on a
+fresh connection, counted in ``Client.stale_retries``, and never surfaces as a failure.
+
+Errors are ``OSError`` subclasses (``ConnectFailed``, ``UpstreamClosed``, ``BodyTooLarge``),
+wrapped by ``pdgate.upstream.wrap`` into the gateway's error tree.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import cast
 from urllib.parse import urlsplit
@@ -27,17 +37,28 @@ class UpstreamClosed(ConnectionError):
 
 
 class ConnectFailed(ConnectionError):
-    """No connection to the engine could be made (refused, unreachable, or not within the connect timeout)."""
+    """No connection to the engine could be made (refused, unreachable, not within the connect timeout, or
+    none free in a full pool within it)."""
+
+
+class BodyTooLarge(UpstreamClosed):
+    """The answer's body passed the caller's limit; the connection was closed."""
+
+
+BAD_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class Response:
     """One answer; the connection stays with it until the message ends or ``release()``."""
 
-    __slots__ = ("_chunks", "_conn", "_exc", "_sink", "_waiter", "complete", "status")
+    __slots__ = ("_chunks", "_conn", "_exc", "_sink", "_size", "_waiter", "complete", "headers", "limit", "status")
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, limit: int | None = None) -> None:
         self._conn = conn
         self.status = 0
+        self.headers: dict[str, str] = {}  # lower-case names; a repeated header keeps its last value
+        self.limit = limit  # most body bytes read() takes (pipe() is not bounded: it consumes as it goes)
+        self._size = 0
         self._chunks: list[bytes] = []  # what arrived and was not taken yet (pipe() takes it after every read)
         self._waiter: asyncio.Future[None] | None = None
         self._exc: BaseException | None = None
@@ -46,6 +67,13 @@ class Response:
 
     # -- fed by the protocol
     def _feed(self, data: bytes) -> None:
+        if self.limit is not None and self._sink is None:
+            self._size += len(data)
+            if self._size > self.limit:
+                self._chunks.clear()
+                self._finish(BodyTooLarge(f"{self._conn.pool.origin} answered more than {self.limit} bytes"))
+                self._conn.close()
+                return
         self._chunks.append(data)
         self._wake()
 
@@ -116,6 +144,7 @@ class Response:
 
 class Connection(asyncio.Protocol):
     __slots__ = (
+        "_header_name",
         "_headers_waiter",
         "_lost",
         "idle_since",
@@ -126,6 +155,8 @@ class Connection(asyncio.Protocol):
         "pool",
         "resp",
         "transport",
+        "until_close",
+        "uses",
     )
 
     def __init__(self, pool: Pool) -> None:
@@ -139,6 +170,13 @@ class Connection(asyncio.Protocol):
         self.keep = True
         self.paused = False
         self.idle_since = 0.0
+        self.uses = 0  # requests sent on it
+        self.until_close = False  # the answer has neither a length nor chunks: it ends when the engine closes
+
+    @property
+    def usable(self) -> bool:
+        t = self.transport
+        return not self._lost and t is not None and not t.is_closing()
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -159,13 +197,27 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
         self.pool.forget(self)
+        resp = self.resp
+        if resp is not None and self.until_close and exc is None and not resp.complete:
+            resp._finish()  # a body delimited by the close: complete now
+            return
         self._fail(UpstreamClosed(f"{self.pool.origin} closed the connection" + (f": {exc}" if exc else "")))
 
     # -- httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self.resp is not None and len(self.resp.headers) < 100:
+            self.resp.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
     def on_headers_complete(self) -> None:
         assert self.resp is not None
-        self.resp.status = self.parser.get_status_code()
+        resp = self.resp
+        resp.status = self.parser.get_status_code()
         self.keep = self.parser.should_keep_alive()
+        h = resp.headers
+        self.until_close = "content-length" not in h and "chunked" not in h.get("transfer-encoding", "").lower() \
+            and resp.status >= 200 and resp.status not in (204, 304)
+        if self.until_close:
+            self.keep = False
         w = self._headers_waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -186,9 +238,11 @@ class Connection(asyncio.Protocol):
         if self.resp is not None:
             self.resp._finish(exc)
 
-    def _send(self, head: bytes, body: bytes) -> Response:
+    def _send(self, head: bytes, body: bytes, limit: int | None = None) -> Response:
         assert self.transport is not None
-        resp = self.resp = Response(self)
+        self.uses += 1
+        self.until_close = False
+        resp = self.resp = Response(self, limit)
         self.transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             self.transport.write(body)
@@ -204,12 +258,12 @@ class Connection(asyncio.Protocol):
             self._headers_waiter = None
         return resp
 
-    async def fetch(self, head: bytes, body: bytes) -> tuple[int, bytes]:
+    async def fetch(self, head: bytes, body: bytes, limit: int | None = None) -> tuple[Response, bytes]:
         """The whole answer, waited for once (a small answer comes in one read: one wake-up)."""
-        resp = self._send(head, body)
+        resp = self._send(head, body, limit)
         data = await resp.read()
         resp.release()  # complete: back to the pool
-        return resp.status, data
+        return resp, data
 
     def pause(self) -> None:
         if not self.paused and self.transport is not None:
@@ -239,41 +293,74 @@ class Connection(asyncio.Protocol):
 
 
 class Pool:
-    """Keep-alive connections to one origin; the most recently used first."""
+    """Keep-alive connections to one origin, the most recently used first; at most ``max_open`` open (a
+    request beyond waits for one, within the connect timeout) and ``max_idle`` kept idle."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, host: str, port: int, connect_timeout_s: float,
-                 idle_s: float) -> None:
+                 idle_s: float, max_open: int = 1024, max_idle: int = 256) -> None:
         self.loop = loop
         self.host, self.port = host, port
         self.origin = f"{host}:{port}"
         self.connect_timeout_s = connect_timeout_s
-        self.idle_s = idle_s  # under the engines' own keep-alive timeout (aiohttp's is 75 s), to avoid the race
+        self.idle_s = idle_s  # under the engines' own keep-alive timeout, to avoid racing their close
+        self.max_open, self.max_idle = max_open, max_idle
         self.idle: list[Connection] = []
         self.all: set[Connection] = set()
+        self.waiters: deque[asyncio.Future[None]] = deque()
 
-    async def acquire(self) -> Connection:
+    async def acquire(self, fresh: bool = False) -> Connection:
         now = time.monotonic()
-        while self.idle:
+        while self.idle and not fresh:
             conn = self.idle.pop()
-            if not conn._lost and now - conn.idle_since < self.idle_s:
+            if conn.usable and now - conn.idle_since < self.idle_s:
                 return conn
             conn.close()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
+                while len(self.all) >= self.max_open:
+                    if self.idle:  # make room: an idle connection goes before a new one is opened
+                        self.idle.pop(0).close()
+                        continue
+                    fut = self.loop.create_future()
+                    self.waiters.append(fut)
+                    try:
+                        await fut
+                    finally:
+                        if fut in self.waiters:
+                            self.waiters.remove(fut)
+                    if self.idle and not fresh:
+                        conn = self.idle.pop()
+                        if conn.usable:
+                            return conn
+                        conn.close()
                 _, proto = await self.loop.create_connection(lambda: Connection(self), self.host, self.port)
         except TimeoutError:
-            raise ConnectFailed(f"no connection to {self.origin} within {self.connect_timeout_s:g}s") from None
+            raise ConnectFailed(f"no connection to {self.origin} within {self.connect_timeout_s:g}s"
+                                + (f" ({len(self.all)} open, the pool's limit)" if len(self.all) >= self.max_open
+                                   else "")) from None
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {self.origin}: {exc.strerror or exc}") from None
         self.all.add(proto)
         return proto
 
+    def _wake(self) -> None:
+        while self.waiters:
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+
     def put(self, conn: Connection) -> None:
         conn.idle_since = time.monotonic()
         self.idle.append(conn)
+        if len(self.idle) > self.max_idle:
+            self.idle.pop(0).close()  # the least recently used
+        self._wake()
 
     def forget(self, conn: Connection) -> None:
-        self.all.discard(conn)
+        if conn in self.all:
+            self.all.discard(conn)
+            self._wake()
         if conn in self.idle:
             self.idle.remove(conn)
 
@@ -282,13 +369,24 @@ class Pool:
             conn.close()
 
 
+def _stale(conn: Connection, resp: Response | None, exc: BaseException) -> bool:
+    """Whether a failure is the engine's keep-alive close racing our request on a reused connection: no byte
+    of the answer came, so the engine never took the request in, and it can be sent again."""
+    return (conn.uses > 1 and isinstance(exc, UpstreamClosed) and not isinstance(exc, BodyTooLarge)
+            and (resp is None or resp.status == 0))
+
+
 class Client:
     """Pools by origin, created on first use."""
 
-    def __init__(self, connect_timeout_s: float, idle_s: float = 30.0) -> None:
+    def __init__(self, connect_timeout_s: float, idle_s: float = 4.0, max_open: int = 1024, max_idle: int = 256,
+                 max_body: int | None = None) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.idle_s = idle_s
+        self.max_open, self.max_idle = max_open, max_idle
+        self.max_body = max_body  # default limit of a read() answer
         self.pools: dict[str, tuple[Pool, bytes]] = {}  # "http://host:port" -> (pool, Host header value)
+        self.stale_retries = 0  # requests sent again after a reused connection turned out closed
 
     def _pool(self, base: str) -> tuple[Pool, bytes]:
         hit = self.pools.get(base)
@@ -297,17 +395,26 @@ class Client:
             if u.scheme != "http" or not u.hostname:
                 raise ValueError(f"only http://host:port origins are supported, got {base!r}")
             port = u.port or 80
-            pool = Pool(asyncio.get_running_loop(), u.hostname, port, self.connect_timeout_s, self.idle_s)
+            pool = Pool(asyncio.get_running_loop(), u.hostname, port, self.connect_timeout_s, self.idle_s,
+                        self.max_open, self.max_idle)
             hit = self.pools[base] = (pool, f"{u.hostname}:{port}".encode())
         return hit
 
     async def request(self, base: str, method: str, target: str, body: bytes = b"",
-                      content_type: bytes = b"application/json") -> Response:
+                      content_type: bytes = b"application/json", headers: dict[str, str] | None = None) -> Response:
         """Send one request to ``base`` (``http://host:port``); returns once the status line and headers are in.
 
         The caller must ``release()`` the response (``send`` does it for you)."""
-        pool, head = self._head(base, method, target, body, content_type)
+        pool, head = self._head(base, method, target, body, content_type, headers)
         conn = await pool.acquire()
+        try:
+            return await conn.request(head, body)
+        except BaseException as exc:
+            conn.close()
+            if not _stale(conn, conn.resp, exc):
+                raise
+        self.stale_retries += 1
+        conn = await pool.acquire(fresh=True)
         try:
             return await conn.request(head, body)
         except BaseException:
@@ -315,27 +422,52 @@ class Client:
             raise
 
     async def fetch(self, base: str, method: str, target: str, body: bytes = b"",
-                    content_type: bytes = b"application/json") -> tuple[int, bytes]:
+                    content_type: bytes = b"application/json", headers: dict[str, str] | None = None,
+                    limit: int | None = None) -> tuple[int, bytes]:
         """Send one request and read the whole answer: (status, body). The connection goes back to the pool."""
-        pool, head = self._head(base, method, target, body, content_type)
+        resp, data = await self.fetch_response(base, method, target, body, content_type, headers, limit)
+        return resp.status, data
+
+    async def fetch_response(self, base: str, method: str, target: str, body: bytes = b"",
+                             content_type: bytes = b"application/json", headers: dict[str, str] | None = None,
+                             limit: int | None = None) -> tuple[Response, bytes]:
+        """As ``fetch``, with the response (status, headers) itself. ``limit``: most body bytes taken
+        (default ``max_body``); past it ``BodyTooLarge``."""
+        pool, head = self._head(base, method, target, body, content_type, headers)
+        limit = self.max_body if limit is None else limit
         conn = await pool.acquire()
         try:
-            return await conn.fetch(head, body)
+            return await conn.fetch(head, body, limit)
+        except BaseException as exc:
+            conn.close()
+            if not _stale(conn, conn.resp, exc):
+                raise
+        self.stale_retries += 1
+        conn = await pool.acquire(fresh=True)
+        try:
+            return await conn.fetch(head, body, limit)
         except BaseException:
             conn.close()
             raise
 
-    def _head(self, base: str, method: str, target: str, body: bytes, content_type: bytes) -> tuple[Pool, bytes]:
+    def _head(self, base: str, method: str, target: str, body: bytes, content_type: bytes,
+              headers: dict[str, str] | None) -> tuple[Pool, bytes]:
         pool, host = self._pool(base)
         head = b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n" % (
             method.encode(), target.encode(), host, len(body))
         if body:
             head += b"Content-Type: " + content_type + b"\r\n"
+        if headers:
+            for k, v in headers.items():
+                if BAD_HEADER.search(k) or BAD_HEADER.search(v):
+                    raise ValueError(f"invalid request header {k!r}")
+                head += f"{k}: {v}\r\n".encode("latin-1")
         return pool, head + b"\r\n"
 
-    def send(self, base: str, method: str, target: str, body: bytes = b"") -> Exchange:
+    def send(self, base: str, method: str, target: str, body: bytes = b"",
+             headers: dict[str, str] | None = None) -> Exchange:
         """``async with client.send(...) as resp:``: the response, released on exit."""
-        return Exchange(self, base, method, target, body)
+        return Exchange(self, base, method, target, body, headers)
 
     def close(self) -> None:
         for pool, _ in self.pools.values():
@@ -344,14 +476,16 @@ class Client:
 
 
 class Exchange:
-    __slots__ = ("base", "body", "client", "method", "resp", "target")
+    __slots__ = ("base", "body", "client", "headers", "method", "resp", "target")
 
-    def __init__(self, client: Client, base: str, method: str, target: str, body: bytes) -> None:
+    def __init__(self, client: Client, base: str, method: str, target: str, body: bytes,
+                 headers: dict[str, str] | None = None) -> None:
         self.client, self.base, self.method, self.target, self.body = client, base, method, target, body
+        self.headers = headers
         self.resp: Response | None = None
 
     async def __aenter__(self) -> Response:
-        self.resp = await self.client.request(self.base, self.method, self.target, self.body)
+        self.resp = await self.client.request(self.base, self.method, self.target, self.body, headers=self.headers)
         return self.resp
 
     async def __aexit__(self, *exc: object) -> None:

@@ -35,6 +35,7 @@ log = logging.getLogger("h1lite.server")
 
 MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 100  # as aiohttp (max_headers) and h11
+LINGER_S = 1.0  # after refusing a request whose bytes still arrive: read and drop them this long, then close
 REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 REASONS[499] = b"Client Closed Request"
 
@@ -228,6 +229,11 @@ class Router:
     async def dispatch(self, req: Request) -> Response | Stream:
         """Run the handler for ``req``: what a ``Server`` calls when routing is all it needs."""
         return await self.resolve(req)(req)
+
+
+async def pass_turn() -> None:
+    """Let every other ready task and callback run once."""
+    await asyncio.sleep(0)
 
 
 class Limits:
@@ -525,7 +531,23 @@ class HttpProtocol(asyncio.Protocol):
             body = error_json(exc)
             self.write(head(exc.status, {"Content-Type": "application/json"}, b"Content-Length: %d\r\n" % len(body),
                             False) + body)
+            self.linger()
+
+    def linger(self, seconds: float = LINGER_S) -> None:
+        """Close a connection whose client may still be sending (a refused head or body): our side first
+        (FIN after the answer), then read and drop what still comes for ``seconds`` before the close. A close
+        with unread bytes sends a reset, which can make the client's kernel discard our answer unread."""
+        t = self.transport
+        if t is None or self.closed:
+            return
+        if not t.can_write_eof():
             self.close()
+            return
+        t.write_eof()
+        if self.reading_paused:
+            self.reading_paused = False
+            t.resume_reading()
+        self.loop.call_later(seconds, self.close)
 
     async def handle(self, req: Request) -> None:
         while True:
@@ -559,9 +581,15 @@ class HttpProtocol(asyncio.Protocol):
                                + (resp.body if req.method != "HEAD" else b""))
                 if self.paused and not self.closed:  # back-pressure for every answer, not only streams
                     await self.wait_writable()
-            except (ClientGone, ValueError) as exc:
-                if isinstance(exc, ValueError):  # an invalid response header: a bug of the handler
-                    log.error("invalid response to %s %s: %s", req.method, req.path, exc)
+            except ValueError as exc:  # an invalid response header: a bug of the handler; never sent as it is
+                log.error("invalid response to %s %s: %s", req.method, req.path, exc)
+                if req.stream is None:
+                    err = error_response(HTTPError("internal error: invalid response header"))
+                    self.write(head(err.status, err.headers, b"Content-Length: %d\r\n" % len(err.body), False) + err.body)
+                self.task = self.current = None
+                self.close()
+                return
+            except ClientGone:
                 self.task = self.current = None
                 self.close()
                 return
@@ -569,7 +597,10 @@ class HttpProtocol(asyncio.Protocol):
             self.current = None
             if not keep or self.closed:
                 self.task = None
-                self.close()
+                if self.close_after:  # the client may still be sending what we did not read
+                    self.linger()
+                else:
+                    self.close()
                 return
             if not self.queue:
                 self.task = None
@@ -579,4 +610,4 @@ class HttpProtocol(asyncio.Protocol):
                     self.transport.resume_reading()
                 return
             req = self.queue.popleft()
-            await asyncio.sleep(0)  # pipelined answers do not hold the loop: others get a turn between them
+            await pass_turn()  # pipelined answers do not hold the loop: others get a turn between them

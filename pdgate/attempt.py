@@ -102,14 +102,15 @@ async def run_attempt(ctx: Ctx, att: Attempt, bind: Bind, pw: Worker, dw: Worker
         protocol.RID: att.rid,
     })
     att.event(gw.now(), "sent")
-    p_task = asyncio.get_running_loop().create_task(prefill_leg(ctx, att, pw, payload, bind))
+    headers = leg_headers(ctx, att)
+    p_task = asyncio.get_running_loop().create_task(prefill_leg(ctx, att, pw, payload, bind, headers))
     p_task.add_done_callback(bind.prefill_done)
     gw.move(rec, Phase.PREFILL)
     ok = False
     try:
         try:
             with bind.scope:  # a worker lost between binding and here: raises at once
-                body = await decode_leg(ctx, att, dw, payload)
+                body = await decode_leg(ctx, att, dw, payload, headers)
         except Cancelled as c:
             assert isinstance(c.reason.error, UpstreamError)
             raise c.reason.error from None
@@ -139,10 +140,23 @@ async def prefill_tail(gw: Gateway, att: Attempt, pw: Worker, p_task: asyncio.Ta
         gw.abort_leg(att, pw, False)
 
 
-async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: Bind) -> bytes:
+def leg_headers(ctx: Ctx, att: Attempt) -> dict[str, str]:
+    """What both legs carry besides the body: the attempt's rid as x-request-id (the engines' logs name it),
+    and the client's W3C trace context, passed through."""
+    out = {"x-request-id": att.rid}
+    tp = ctx.request.headers.get("traceparent")
+    if tp is not None:
+        out["traceparent"] = tp
+        ts = ctx.request.headers.get("tracestate")
+        if ts is not None:
+            out["tracestate"] = ts
+    return out
+
+
+async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: Bind, headers: dict[str, str]) -> bytes:
     gw = ctx.gw
     try:
-        status, body = await gw.up().post_read(w.url, ctx.route, payload)
+        status, body = await gw.up().post_read(w.url, ctx.route, payload, headers)
     except asyncio.CancelledError:
         raise
     except Exception as exc:
@@ -162,11 +176,11 @@ async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: B
     return body
 
 
-async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes) -> bytes:
+async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, headers: dict[str, str]) -> bytes:
     gw, rec = ctx.gw, ctx.rec
     try:
         if not rec.stream:
-            status, body = await gw.up().post_read(w.url, ctx.route, payload)
+            status, body = await gw.up().post_read(w.url, ctx.route, payload, headers)
             now = gw.now()
             att.event(now, "decode_headers", status)
             if status != 200:
@@ -176,7 +190,7 @@ async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes) -> bytes
             w.progress(now)
             w.success(now)
             return body
-        async with gw.up().post(w.url, ctx.route, payload) as resp:
+        async with gw.up().post(w.url, ctx.route, payload, headers) as resp:
             att.event(gw.now(), "decode_headers", resp.status)
             if resp.status != 200:
                 raise leg_status(w, resp.status, await resp.read(), gw.now())

@@ -11,6 +11,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pdgate.protocol import DEFAULT_BOOTSTRAP_PORT
 
@@ -93,7 +94,15 @@ class GatewayConfig:
     connect_timeout_s: float = 2.0
     abort_timeout_s: float = 2.0
     abort_repeat_s: tuple[float, ...] = (0.25, 1.0)  # re-abort a leg that had not answered yet, after these delays
-    drain_s: float = 10.0  # on SIGTERM: stop accepting, let live requests finish this long, then abort the rest
+    drain_s: float = 10.0  # on SIGTERM: stop accepting, let live requests finish this long, then answer and abort the rest
+    keepalive_s: float = 75.0  # front door: idle keep-alive connections close after this
+    head_timeout_s: float = 10.0  # front door: a request head must arrive within this (slowloris: 408, closed)
+    body_timeout_s: float = 60.0  # front door: a request body must arrive within this
+    upstream_idle_s: float = 4.0  # pooled engine connections idle longer are not reused (SGLang closes them at 5 s)
+    upstream_max_conns: int = 1024  # open connections per engine; a request beyond waits (connect timeout)
+    upstream_max_idle: int = 256  # idle connections kept per engine
+    max_upstream_body_bytes: int = 64 * 1024 * 1024  # a non-streaming leg's answer larger than this is a 502
+    worker_api_key: str | None = None  # sent as Authorization: Bearer to the engines (SGLang's --api-key)
     instance_id: str | None = None
     # Safety switch for demonstrations and tests: with false the gateway never calls
     # /abort_request (like today's routers) and leaves cleanup to the engines.
@@ -123,9 +132,10 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
         raise ConfigError("gateway.max_attempts", cfg.max_attempts, "must be within 1..9")
     if not 0 < cfg.port < 65536:
         raise ConfigError("gateway.port", cfg.port, "must be a TCP port")
-    for key in ("max_body_bytes", "trace_ring"):
+    for key in ("max_body_bytes", "trace_ring", "upstream_max_conns", "upstream_max_idle", "max_upstream_body_bytes"):
         _positive(f"gateway.{key}", getattr(cfg, key), integer=True)
-    for key in ("prefill_grace_s", "connect_timeout_s", "abort_timeout_s"):
+    for key in ("prefill_grace_s", "connect_timeout_s", "abort_timeout_s", "keepalive_s", "head_timeout_s",
+                "body_timeout_s", "upstream_idle_s"):
         _positive(f"gateway.{key}", getattr(cfg, key))
     _positive("gateway.drain_s", cfg.drain_s, allow_zero=True)
     if not isinstance(cfg.abort_repeat_s, tuple) or len(cfg.abort_repeat_s) > 5:
@@ -159,8 +169,18 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
 def validate_worker(w: WorkerSpec, key: str = "worker") -> WorkerSpec:
     if w.role not in ("prefill", "decode"):
         raise ConfigError(f"{key}.role", w.role, "must be prefill or decode")
-    if not w.url.startswith(("http://", "https://")):
-        raise ConfigError(f"{key}.url", w.url, "must start with http:// or https://")
+    if w.url.startswith("https://"):
+        raise ConfigError(f"{key}.url", w.url, "https:// workers are not supported (engines are reached over plain "
+                          "HTTP on a trusted network); use http://")
+    if not w.url.startswith("http://"):
+        raise ConfigError(f"{key}.url", w.url, "must start with http://")
+    try:
+        u = urlsplit(w.url)
+        u.port  # noqa: B018 - parsing it is the check (a port out of range raises)
+    except ValueError as exc:
+        raise ConfigError(f"{key}.url", w.url, f"not a URL: {exc}") from None
+    if not u.hostname:
+        raise ConfigError(f"{key}.url", w.url, "must be http://host:port")
     if w.bootstrap_port is not None and not (isinstance(w.bootstrap_port, int) and 0 < w.bootstrap_port < 65536):
         raise ConfigError(f"{key}.bootstrap_port", w.bootstrap_port, "must be a TCP port")
     return w

@@ -46,8 +46,9 @@ class Gateway:
         self.clock = time.monotonic
         for spec in (*cfg.prefill, *cfg.decode):
             self.pool.add(spec)
-        self.metrics.add_collector(lambda: worker_families(list(self.pool.by_id.values()), self.now(),
-                                                           self.traces.oldest_age(self.now())))
+        self.metrics.add_collector(lambda: worker_families(
+            list(self.pool.by_id.values()), self.now(), self.traces.oldest_age(self.now()),
+            self.upstream.client.stale_retries if self.upstream is not None else 0))
 
     def _on_worker(self, w: Worker, frm: State, to: State, cause: str) -> None:
         """What follows a worker's move, in one place: its live requests failed over at once when it goes
@@ -132,7 +133,9 @@ class Gateway:
         self.metrics.aborts.labels(w.role, result).inc()
 
     async def start(self) -> None:
-        self.upstream = Upstream(self.cfg.connect_timeout_s, self.cfg.abort_timeout_s)
+        c = self.cfg
+        self.upstream = Upstream(c.connect_timeout_s, c.abort_timeout_s, c.upstream_idle_s, c.upstream_max_conns,
+                                 c.upstream_max_idle, c.max_upstream_body_bytes, c.worker_api_key)
 
     def drain(self, detail: str | None = None) -> int:
         """End every live request now with a terminal answer (outcome aborted, cause drain); their

@@ -123,7 +123,7 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def worker_families(workers: list[Any], now: float, oldest_age: float) -> Iterator[Metric]:
+def worker_families(workers: list[Any], now: float, oldest_age: float, stale_retries: int = 0) -> Iterator[Metric]:
     up = GaugeMetricFamily("pdgate_worker_up", "1 if the worker passes health checks", labels=["worker", "role"])
     br = GaugeMetricFamily("pdgate_worker_breaker_open", "1 if the worker's circuit breaker is open", labels=["worker"])
     dg = GaugeMetricFamily("pdgate_worker_degraded", "1 if the worker holds our requests without progress",
@@ -138,3 +138,7 @@ def worker_families(workers: list[Any], now: float, oldest_age: float) -> Iterat
     old = GaugeMetricFamily("pdgate_oldest_live_request_age_seconds", "Age of the oldest live request")
     old.add_metric([], oldest_age)
     yield old
+    st = CounterMetricFamily("pdgate_upstream_stale_retries", "Requests sent again on a fresh connection because the "
+                             "reused one had been closed by the engine (its keep-alive close racing ours)")
+    st.add_metric([], float(stale_retries))
+    yield st

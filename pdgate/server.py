@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
+import resource
 from typing import Any, Protocol
 
 import orjson
@@ -16,6 +18,8 @@ from pdgate.errors import BadRequest, NotFound
 from pdgate.gateway import Gateway
 from pdgate.record import Record
 from pdgate.scope import Cause, Reason
+
+log = logging.getLogger("pdgate.server")
 
 
 class Owner(Protocol):
@@ -213,7 +217,8 @@ class App:
             self.router.add("POST", route, functools.partial(self.generate, route))
         for method, path, handler in ROUTES:
             self.router.add(method, path, functools.partial(handler, self))
-        self.server = Server(self.router.dispatch, cfg.max_body_bytes)
+        self.server = Server(self.router.dispatch, cfg.max_body_bytes, cfg.keepalive_s, cfg.head_timeout_s,
+                             cfg.body_timeout_s)
 
     async def generate(self, route: str, request: Request) -> Response | Stream:
         return await proxy.handle(self.gw, request, route)
@@ -222,6 +227,7 @@ class App:
         self.health_tasks[wid] = asyncio.get_running_loop().create_task(health.run(self.gw, self.gw.pool.by_id[wid]))
 
     async def start(self, host: str, port: int) -> None:
+        raise_fd_limit()
         gw = self.gw
         await gw.start()
         await asyncio.gather(*(health.check(gw, w) for w in gw.pool.by_id.values()))
@@ -241,6 +247,18 @@ class App:
         for t in self.health_tasks.values():
             t.cancel()
         await self.gw.stop()
+
+
+def raise_fd_limit() -> None:
+    """Every client connection and every engine connection is an fd: the soft limit (often 1024) goes up to
+    the hard one, as uvicorn's and nginx's operators are told to do by hand."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            log.info("open files limit raised from %d to %d", soft, hard)
+        except (ValueError, OSError) as exc:
+            log.warning("open files limit stays %d (hard %d): %s", soft, hard, exc)
 
 
 def build_app(cfg: GatewayConfig, gateway: Gateway | None = None, owner: Owner | None = None) -> App:

@@ -10,9 +10,11 @@ from typing import Any
 
 import orjson
 
-from h1lite.client import Client, ConnectFailed, Exchange
+from h1lite.client import BodyTooLarge, Client, ConnectFailed, Exchange
 from pdgate import protocol
 from pdgate.errors import UpstreamConnectError, UpstreamError
+
+SMALL_BODY = 1 << 20  # health, server info, loads, probes, aborts: answers are small; more is refused
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -22,31 +24,44 @@ def split_url(url: str) -> tuple[str, str]:
 
 
 class Upstream:
-    def __init__(self, connect_timeout_s: float, abort_timeout_s: float) -> None:
-        self.client = Client(connect_timeout_s)
+    """The transport to the engines. Every call that is not a stream has a bound: legs by the request's
+    deadlines, the rest by its own timeout; every answer read whole by a size limit."""
+
+    def __init__(self, connect_timeout_s: float, abort_timeout_s: float, idle_s: float = 4.0,
+                 max_open: int = 1024, max_idle: int = 256, max_body: int = 64 << 20,
+                 api_key: str | None = None) -> None:
+        self.client = Client(connect_timeout_s, idle_s, max_open, max_idle, max_body)
         self.abort_timeout_s = abort_timeout_s
+        # engines started with --api-key want it on every call
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
 
     async def close(self) -> None:
         self.client.close()
 
-    def post(self, base: str, path: str, data: bytes) -> Exchange:
-        """Start a POST; the caller uses it as an async context manager (for streamed answers)."""
-        return self.client.send(base, "POST", path, data)
+    def _headers(self, extra: dict[str, str] | None) -> dict[str, str] | None:
+        if self.auth is None:
+            return extra
+        return {**self.auth, **extra} if extra else self.auth
 
-    async def post_read(self, base: str, path: str, data: bytes) -> tuple[int, bytes]:
-        """POST and read the whole answer."""
-        return await self.client.fetch(base, "POST", path, data)
+    def post(self, base: str, path: str, data: bytes, headers: dict[str, str] | None = None) -> Exchange:
+        """Start a POST; the caller uses it as an async context manager (for streamed answers)."""
+        return self.client.send(base, "POST", path, data, self._headers(headers))
+
+    async def post_read(self, base: str, path: str, data: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """POST and read the whole answer (at most ``max_body`` bytes)."""
+        return await self.client.fetch(base, "POST", path, data, headers=self._headers(headers))
 
     async def abort(self, base_url: str, rid: str) -> int:
         """POST /abort_request (prefix match on the engine; always 200 there)."""
         async with asyncio.timeout(self.abort_timeout_s):
-            status, _ = await self.client.fetch(base_url, "POST", protocol.ABORT_PATH, orjson.dumps({"rid": rid}))
+            status, _ = await self.client.fetch(base_url, "POST", protocol.ABORT_PATH, orjson.dumps({"rid": rid}),
+                                                headers=self.auth, limit=SMALL_BODY)
             return status
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
         base, target = split_url(url)
         async with asyncio.timeout(timeout_s):
-            return await self.client.fetch(base, "GET", target)
+            return await self.client.fetch(base, "GET", target, headers=self.auth, limit=SMALL_BODY)
 
     async def get_json(self, url: str, timeout_s: float) -> tuple[int, Any]:
         status, raw = await self.get(url, timeout_s)
@@ -62,6 +77,8 @@ def wrap(exc: BaseException, role: str, worker: str) -> UpstreamError:
         return exc
     if isinstance(exc, ConnectFailed):
         return UpstreamConnectError(f"{role} worker {worker} unreachable: {exc}", role=role, worker=worker)
+    if isinstance(exc, BodyTooLarge):
+        return UpstreamError(f"{role} worker {worker}'s answer is too large: {exc}", role=role, worker=worker)
     if isinstance(exc, OSError):
         return UpstreamError(f"{role} worker {worker} connection failed: {exc.__class__.__name__}: {exc}",
                              role=role, worker=worker)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from collections.abc import Awaitable
@@ -428,7 +429,9 @@ def build_server(engine: Engine) -> Server:
             await engine.unfrozen.wait()
         return await router.dispatch(request)
 
-    return Server(dispatch, MAX_BODY)
+    # SGLang's HTTP server is uvicorn with timeout_keep_alive = SGLANG_TIMEOUT_KEEP_ALIVE (5 s): idle keep-alive
+    # connections close after it, and a client that reuses one late races that close
+    return Server(dispatch, MAX_BODY, keepalive_s=float(os.environ.get("SGLANG_TIMEOUT_KEEP_ALIVE", "5")))
 
 
 # ---- bootstrap server (prefill) -------------------------------------------------------------
