@@ -307,6 +307,7 @@ class Pool:
         self.idle: list[Connection] = []
         self.all: set[Connection] = set()
         self.waiters: deque[asyncio.Future[None]] = deque()
+        self.opened = 0  # connections made, over the pool's life
 
     async def acquire(self, fresh: bool = False) -> Connection:
         now = time.monotonic()
@@ -341,6 +342,7 @@ class Pool:
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {self.origin}: {exc.strerror or exc}") from None
         self.all.add(proto)
+        self.opened += 1
         return proto
 
     def _wake(self) -> None:

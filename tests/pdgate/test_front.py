@@ -112,6 +112,10 @@ async def test_workers_api(procs: Procs, http: aiohttp.ClientSession, gateways: 
         assert r.status == 400  # already registered
     async with http.post(g.url + "/v1/workers", json={"role": "router", "url": d2.url}) as r:
         assert r.status == 400
+    for url, why in (("https://127.0.0.1:30000", "https:// workers are not supported"),
+                     ("http://127.0.0.1:99999", "not a URL")):  # on cea4624: a 500, and a worker left behind
+        async with http.post(g.url + "/v1/workers", json={"role": "decode", "url": url}) as r:
+            assert r.status == 400 and why in (await r.json())["error"]["message"], url
     async with http.get(g.url + "/v1/workers") as r:
         assert len((await r.json())["workers"]) == 3
     async with http.delete(f"{g.url}/v1/workers/{added['id']}") as r:

@@ -10,6 +10,7 @@ import resource
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -293,8 +294,10 @@ class RawEngine:
                     else:
                         await out(w)
                         break
-            except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            except (asyncio.IncompleteReadError, ConnectionError):
                 pass
+            except asyncio.CancelledError:
+                w.transport.abort()  # a flood cut short: no flush of what is still buffered
             finally:
                 w.close()
                 self.tasks.discard(task)
@@ -436,3 +439,48 @@ def test_https_and_bad_ports_are_refused_at_validation() -> None:
         validate_worker(WorkerSpec(url="https://127.0.0.1:30000", role="decode"))
     with pytest.raises(ConfigError, match="not a URL"):
         validate_worker(WorkerSpec(url="http://127.0.0.1:99999", role="decode"))
+
+
+async def test_a_huge_leg_answer_and_a_huge_health_answer_through_the_gateway() -> None:
+    """A decode whose every answer is 2 GiB: the request gets a clear 502 and the gateway's memory stays
+    bounded; its /health answer is refused as well (the worker is down, its error says why)."""
+    from pdgate.config import GatewayConfig, HealthConfig, ReconcileConfig, WorkerSpec, validate
+    from tests.pdgate.harness import start_gateway
+
+    async def flood(w: asyncio.StreamWriter) -> None:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (2 << 30))
+        zeros = b"\0" * (1 << 20)
+        for _ in range(2048):
+            w.write(zeros)
+            await w.drain()
+
+    prefill_ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}"
+    async with RawEngine(lambda n: prefill_ok) as pre, RawEngine(lambda n: flood) as dec:
+        cfg = validate(GatewayConfig(
+            port=free_port(), max_upstream_body_bytes=1 << 20, drain_s=0.2, reconcile=ReconcileConfig(enabled=False),
+            prefill=(WorkerSpec(url=pre.base, role="prefill", bootstrap_port=free_port()),),
+            decode=(WorkerSpec(url=dec.base, role="decode"),),
+            health=HealthConfig(interval_s=60, timeout_s=2, failures=1, degraded_after_s=30)))
+        g = await start_gateway(cfg)
+        try:
+            await huge_leg(g, cfg.port)
+        finally:
+            await g.close()  # before the engines go: no health check reconnects to a closing flood
+
+
+async def huge_leg(g: Any, port: int) -> None:
+    from pdgate.workers import State
+
+    w = g.gw.pool.by_id["d0"]
+    assert not w.healthy and "more than 1048576 bytes" in (w.last_error or ""), w.last_error
+    w.transition(State.UP, g.gw.now(), "test: let it serve")
+    before = rss_mb()
+    r, wr = await asyncio.open_connection("127.0.0.1", port)
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1}'
+    wr.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             b"Content-Length: %d\r\nConnection: close\r\n\r\n%b" % (len(body), body))
+    out = await read_all(r, 10)
+    wr.close()
+    # the leg's own error, or (when a health check got there first) the worker's: both say why
+    assert out.startswith(b"HTTP/1.1 502 ") and b"answered more than 1048576 bytes" in out, out[:300]
+    assert rss_mb() - before < 20
