@@ -10,9 +10,10 @@ boundary is never reused.
 
 Idle connections expire after ``idle_s`` (4 s by default: SGLang's uvicorn closes keep-alive
 connections idle for 5 s, ``SGLANG_TIMEOUT_KEEP_ALIVE``), and one the engine closed anyway is
-not reused. A request on a reused connection that the engine closed before a byte of the answer
-came (the engine's keep-alive close racing our request: it never saw it) is sent once more on a
-fresh connection, counted in ``Client.stale_retries``, and never surfaces as a failure.
+not reused (checked before reuse). A request on a connection that sat idle ``STALE_IDLE_S`` or
+more and that the engine closed before a byte of the answer came (its keep-alive close racing
+our request: it never read it) is sent once more on a fresh connection, counted in
+``Client.stale_retries``, and never surfaces as a failure.
 
 Errors are ``OSError`` subclasses (``ConnectFailed``, ``UpstreamClosed``, ``BodyTooLarge``),
 wrapped by ``pdgate.upstream.wrap`` into the gateway's error tree.
@@ -22,11 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import re
+import select
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Awaitable, Callable
+from typing import TypeVar, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -45,6 +47,7 @@ class BodyTooLarge(UpstreamClosed):
     """The answer's body passed the caller's limit; the connection was closed."""
 
 
+T = TypeVar("T")
 BAD_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
@@ -144,7 +147,6 @@ class Response:
 
 class Connection(asyncio.Protocol):
     __slots__ = (
-        "_header_name",
         "_headers_waiter",
         "_lost",
         "idle_since",
@@ -154,6 +156,7 @@ class Connection(asyncio.Protocol):
         "paused",
         "pool",
         "resp",
+        "reused_after",
         "transport",
         "until_close",
         "uses",
@@ -171,12 +174,24 @@ class Connection(asyncio.Protocol):
         self.paused = False
         self.idle_since = 0.0
         self.uses = 0  # requests sent on it
+        self.reused_after = 0.0  # seconds it sat idle before its latest request
         self.until_close = False  # the answer has neither a length nor chunks: it ends when the engine closes
 
     @property
     def usable(self) -> bool:
+        """Open as far as we can tell, before reuse: not closed, and no close from the engine waiting unread in
+        the socket (as httpcore checks ``is_readable`` before reusing a connection)."""
         t = self.transport
-        return not self._lost and t is not None and not t.is_closing()
+        if self._lost or t is None or t.is_closing():
+            return False
+        sock = t.get_extra_info("socket")
+        if sock is None:
+            return True
+        try:  # an idle connection with something to read holds the engine's close (or junk between answers)
+            readable, _, _ = select.select([sock.fileno()], [], [], 0)
+        except (OSError, ValueError):
+            return False
+        return not readable
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -313,7 +328,8 @@ class Pool:
         now = time.monotonic()
         while self.idle and not fresh:
             conn = self.idle.pop()
-            if conn.usable and now - conn.idle_since < self.idle_s:
+            if now - conn.idle_since < self.idle_s and conn.usable:
+                conn.reused_after = now - conn.idle_since
                 return conn
             conn.close()
         try:
@@ -371,11 +387,16 @@ class Pool:
             conn.close()
 
 
+STALE_IDLE_S = 1.0  # servers close idle keep-alive connections after a second or more (uvicorn: 5 s by default)
+
+
 def _stale(conn: Connection, resp: Response | None, exc: BaseException) -> bool:
-    """Whether a failure is the engine's keep-alive close racing our request on a reused connection: no byte
-    of the answer came, so the engine never took the request in, and it can be sent again."""
-    return (conn.uses > 1 and isinstance(exc, UpstreamClosed) and not isinstance(exc, BodyTooLarge)
-            and (resp is None or resp.status == 0))
+    """Whether a failure is the engine's keep-alive close racing our request: the connection sat idle long
+    enough to be closed for it, was reused, closed before a byte of the answer came. Then the engine closed it
+    before reading our request, which can be sent again. A connection busy a moment ago that closes is an
+    engine that died with our request: that is a failed attempt, never sent again here."""
+    return (conn.uses > 1 and conn.reused_after >= STALE_IDLE_S and isinstance(exc, UpstreamClosed)
+            and not isinstance(exc, BodyTooLarge) and (resp is None or resp.status == 0))
 
 
 class Client:
@@ -408,20 +429,7 @@ class Client:
 
         The caller must ``release()`` the response (``send`` does it for you)."""
         pool, head = self._head(base, method, target, body, content_type, headers)
-        conn = await pool.acquire()
-        try:
-            return await conn.request(head, body)
-        except BaseException as exc:
-            conn.close()
-            if not _stale(conn, conn.resp, exc):
-                raise
-        self.stale_retries += 1
-        conn = await pool.acquire(fresh=True)
-        try:
-            return await conn.request(head, body)
-        except BaseException:
-            conn.close()
-            raise
+        return await self._send(pool, lambda conn: conn.request(head, body))
 
     async def fetch(self, base: str, method: str, target: str, body: bytes = b"",
                     content_type: bytes = b"application/json", headers: dict[str, str] | None = None,
@@ -437,9 +445,13 @@ class Client:
         (default ``max_body``); past it ``BodyTooLarge``."""
         pool, head = self._head(base, method, target, body, content_type, headers)
         limit = self.max_body if limit is None else limit
+        return await self._send(pool, lambda conn: conn.fetch(head, body, limit))
+
+    async def _send(self, pool: Pool, exchange: Callable[[Connection], Awaitable[T]]) -> T:
+        """Run ``exchange`` on a pooled connection; once more on a fresh one if the pooled one was stale."""
         conn = await pool.acquire()
         try:
-            return await conn.fetch(head, body, limit)
+            return await exchange(conn)
         except BaseException as exc:
             conn.close()
             if not _stale(conn, conn.resp, exc):
@@ -447,7 +459,7 @@ class Client:
         self.stale_retries += 1
         conn = await pool.acquire(fresh=True)
         try:
-            return await conn.fetch(head, body, limit)
+            return await exchange(conn)
         except BaseException:
             conn.close()
             raise

@@ -1,15 +1,23 @@
 """A lean HTTP/1.1 server: pdgate's front door and the sims' HTTP surface; asyncio protocols, httptools parsing.
 
 aiohttp's server costs ~200 µs of CPU per request on this kind of machine, more than the
-whole budget pdgate has for a PD request. This one keeps what a gateway needs: keep-alive
-and pipelining (requests on a connection are answered in order), ``Expect: 100-continue``,
-a body-size limit checked on ``Content-Length`` before the body is read, a header-size
-limit, chunked streaming with back-pressure (``await stream.write()`` waits while the
-client's socket buffer is full; ``send()`` + ``on_writable`` for callers that cannot wait),
-TCP_NODELAY, idle-connection reaping, and the handler
-task cancelled when the client goes away, as aiohttp does with ``handler_cancellation``.
-Routing is a dict of exact paths plus ``/prefix/{id}[/suffix]`` patterns; HEAD is answered by
-the GET handler, without the body.
+whole budget pdgate has for a PD request. This one keeps what a gateway needs, held to what
+uvicorn's ``httptools_impl`` and aiohttp do:
+- keep-alive and pipelining: requests on a connection are answered in order, reading pauses as
+  soon as one waits behind the answer in progress, and the loop gets a turn between answers;
+- bounds and times: the request head is bounded while it arrives (431), a head and a body must
+  arrive within their timeouts (408: slowloris), idle connections close after ``keepalive_s``;
+  a ``Content-Length`` over the limit is a 413 at once, without reading the body;
+- ``Expect: 100-continue`` answered when the body is wanted (never inside another answer), 417
+  for other expectations;
+- back-pressure on every answer (``await stream.write()`` waits while the client's socket
+  buffer is full; ``send()`` + ``on_writable`` for callers that cannot wait); TCP_NODELAY;
+- HEAD answered by the GET handler without a body (streams too); an error after a stream's head
+  ends it (an SSE error event and the terminator, or a cut), never a second status line;
+  ``Date`` on every answer; response headers checked for control characters;
+- the handler cancelled when the client goes away, as aiohttp does with ``handler_cancellation``
+  (or told, through ``Request.on_gone``, when it ends its work through a cancel scope of its own).
+Routing is a dict of exact paths plus ``/prefix/{id}[/suffix]`` patterns.
 """
 
 from __future__ import annotations

@@ -160,10 +160,7 @@ async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: B
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        err = wrap(exc, "prefill", w.id)
-        w.failure(gw.now(), err.message)
-        gw.kick(w)
-        raise err from None
+        raise leg_failed(gw, w, exc) from None
     now = gw.now()
     att.event(now, "prefill_done", status)
     if status != 200:
@@ -200,10 +197,16 @@ async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, headers:
     except (asyncio.CancelledError, ClientGone, UpstreamError):
         raise
     except Exception as exc:
-        err = wrap(exc, "decode", w.id)
-        w.failure(gw.now(), err.message)
-        gw.kick(w)
-        raise err from None
+        raise leg_failed(gw, w, exc) from None
+
+
+def leg_failed(gw: Gateway, w: Worker, exc: Exception) -> UpstreamError:
+    """A leg's call failed (connect, reset, a broken or too large answer): its breaker counts it, and its
+    health is checked at once."""
+    err = wrap(exc, w.role, w.id)
+    w.failure(gw.now(), err.message)
+    gw.kick(w)
+    return err
 
 
 def leg_status(w: Worker, status: int, body: bytes, now: float) -> UpstreamStatus:

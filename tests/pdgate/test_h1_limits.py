@@ -272,6 +272,7 @@ class RawEngine:
         self.connections = 0
         self.heads: list[bytes] = []
         self.tasks: set[asyncio.Task[None]] = set()
+        self.writers: list[asyncio.StreamWriter] = []
 
     async def __aenter__(self) -> RawEngine:
         async def on_conn(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -279,6 +280,7 @@ class RawEngine:
             task = asyncio.current_task()
             assert task is not None
             self.tasks.add(task)
+            self.writers.append(w)
             n = 0
             try:
                 while True:
@@ -320,6 +322,41 @@ class RawEngine:
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Engine: sim\r\nRetry-After: 3\r\n\r\nok"
 
 
+async def test_an_engine_that_died_with_our_request_is_not_sent_it_again() -> None:
+    """A connection busy a moment ago that closes without an answer is an engine that died holding our
+    request: the failure surfaces (the gateway retries on another pair, with a new room), never a silent
+    resend of the same rid and room to whatever listens there now."""
+    client = Client(connect_timeout_s=1.0, idle_s=30)
+    async with RawEngine(lambda n: OK if n == 1 else None) as eng:
+        try:
+            assert await client.fetch(eng.base, "GET", "/x") == (200, b"ok")
+            with pytest.raises(ConnectionError):
+                await client.fetch(eng.base, "GET", "/x")
+            assert client.stale_retries == 0 and eng.connections == 1
+        finally:
+            client.close()
+
+
+@pytest.mark.parametrize("closed_first", [True, False])
+async def test_a_pooled_connection_the_engine_closed_is_not_reused(closed_first: bool) -> None:
+    """The engine closed an idle pooled connection (its keep-alive timeout): the close is seen before reuse
+    (a peek at the socket), so the request goes out on a fresh connection and nothing fails."""
+    client = Client(connect_timeout_s=1.0, idle_s=30)
+    async with RawEngine(lambda n: OK) as eng:
+        try:
+            await client.fetch(eng.base, "GET", "/x")
+            (pool, _), = client.pools.values()
+            (conn,) = pool.idle
+            for w in eng.writers if closed_first else []:
+                w.close()
+            await asyncio.sleep(0.05)
+            assert conn.usable is (not closed_first)
+            assert await client.fetch(eng.base, "GET", "/x") == (200, b"ok")
+            assert eng.connections == (2 if closed_first else 1) and client.stale_retries == 0
+        finally:
+            client.close()
+
+
 @pytest.mark.parametrize("retry", [True, False])
 async def test_a_reused_connection_the_engine_closed_is_retried_not_failed(monkeypatch: pytest.MonkeyPatch,
                                                                            retry: bool) -> None:
@@ -327,10 +364,12 @@ async def test_a_reused_connection_the_engine_closed_is_retried_not_failed(monke
     answer): sent once more on a fresh connection and counted; without that it is a failed request."""
     if not retry:
         monkeypatch.setattr("h1lite.client._stale", lambda *a: False)
+    monkeypatch.setattr("h1lite.client.STALE_IDLE_S", 0.2)
     client = Client(connect_timeout_s=1.0, idle_s=30)
     async with RawEngine(lambda n: OK if n == 1 else None) as eng:
         try:
             assert await client.fetch(eng.base, "GET", "/x") == (200, b"ok")
+            await asyncio.sleep(0.25)  # idle long enough for a keep-alive close to be plausible
             if retry:
                 assert await client.fetch(eng.base, "GET", "/x") == (200, b"ok")
                 assert client.stale_retries == 1 and eng.connections == 2
