@@ -28,6 +28,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
+from itertools import chain
 from typing import TypeVar, cast
 from urllib.parse import urlsplit
 
@@ -48,18 +49,28 @@ class BodyTooLarge(UpstreamClosed):
 
 
 T = TypeVar("T")
+
+
+def header_lines(headers: dict[str, str]) -> bytes:
+    """``Name: value\\r\\n`` lines; a name or value with a control character (CR, LF: header injection) is a
+    ``ValueError``."""
+    if BAD_HEADER.search("\t".join(chain.from_iterable(headers.items()))):  # one search for all of them
+        raise ValueError(f"invalid request header in {list(headers)}")
+    return "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
 BAD_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
 class Response:
     """One answer; the connection stays with it until the message ends or ``release()``."""
 
-    __slots__ = ("_chunks", "_conn", "_exc", "_sink", "_size", "_waiter", "complete", "headers", "limit", "status")
+    __slots__ = ("_chunks", "_conn", "_exc", "_headers", "_raw", "_sink", "_size", "_waiter", "complete", "limit",
+                 "status")
 
     def __init__(self, conn: Connection, limit: int | None = None) -> None:
         self._conn = conn
         self.status = 0
-        self.headers: dict[str, str] = {}  # lower-case names; a repeated header keeps its last value
+        self._raw: list[tuple[bytes, bytes]] = []  # as parsed; decoded on first use of ``headers``
+        self._headers: dict[str, str] | None = None
         self.limit = limit  # most body bytes read() takes (pipe() is not bounded: it consumes as it goes)
         self._size = 0
         self._chunks: list[bytes] = []  # what arrived and was not taken yet (pipe() takes it after every read)
@@ -67,6 +78,13 @@ class Response:
         self._exc: BaseException | None = None
         self._sink: Callable[[bytes], None] | None = None
         self.complete = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """Lower-case names; a repeated header keeps its last value."""
+        if self._headers is None:
+            self._headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in self._raw}
+        return self._headers
 
     # -- fed by the protocol
     def _feed(self, data: bytes) -> None:
@@ -158,7 +176,6 @@ class Connection(asyncio.Protocol):
         "resp",
         "reused_after",
         "transport",
-        "until_close",
         "uses",
     )
 
@@ -175,7 +192,6 @@ class Connection(asyncio.Protocol):
         self.idle_since = 0.0
         self.uses = 0  # requests sent on it
         self.reused_after = 0.0  # seconds it sat idle before its latest request
-        self.until_close = False  # the answer has neither a length nor chunks: it ends when the engine closes
 
     @property
     def usable(self) -> bool:
@@ -213,26 +229,22 @@ class Connection(asyncio.Protocol):
         self._lost = True
         self.pool.forget(self)
         resp = self.resp
-        if resp is not None and self.until_close and exc is None and not resp.complete:
+        if resp is not None and exc is None and not resp.complete and resp.status and self._until_close(resp):
             resp._finish()  # a body delimited by the close: complete now
             return
         self._fail(UpstreamClosed(f"{self.pool.origin} closed the connection" + (f": {exc}" if exc else "")))
 
     # -- httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
-        if self.resp is not None and len(self.resp.headers) < 100:
-            self.resp.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        resp = self.resp
+        if resp is not None and len(resp._raw) < 100:
+            resp._raw.append((name, value))
 
     def on_headers_complete(self) -> None:
         assert self.resp is not None
         resp = self.resp
         resp.status = self.parser.get_status_code()
         self.keep = self.parser.should_keep_alive()
-        h = resp.headers
-        self.until_close = "content-length" not in h and "chunked" not in h.get("transfer-encoding", "").lower() \
-            and resp.status >= 200 and resp.status not in (204, 304)
-        if self.until_close:
-            self.keep = False
         w = self._headers_waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -246,6 +258,13 @@ class Connection(asyncio.Protocol):
             self.resp._finish()
 
     # -- ours
+    @staticmethod
+    def _until_close(resp: Response) -> bool:
+        """The answer has neither a length nor chunks: its body ends where the connection does (asked only at
+        a close before the message ended; such a connection is never pooled, since its message never ends)."""
+        return resp.status >= 200 and resp.status not in (204, 304) and not any(
+            k.lower() in (b"content-length", b"transfer-encoding") for k, _ in resp._raw)
+
     def _fail(self, exc: BaseException) -> None:
         w = self._headers_waiter
         if w is not None and not w.done():
@@ -256,7 +275,6 @@ class Connection(asyncio.Protocol):
     def _send(self, head: bytes, body: bytes, limit: int | None = None) -> Response:
         assert self.transport is not None
         self.uses += 1
-        self.until_close = False
         resp = self.resp = Response(self, limit)
         self.transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
@@ -328,8 +346,11 @@ class Pool:
         now = time.monotonic()
         while self.idle and not fresh:
             conn = self.idle.pop()
-            if now - conn.idle_since < self.idle_s and conn.usable:
-                conn.reused_after = now - conn.idle_since
+            idle = now - conn.idle_since
+            # the socket is looked at only after a pause: a keep-alive close comes after seconds of idleness,
+            # and a connection back in the pool a moment ago (under load: all of them) is spared the syscall
+            if idle < self.idle_s and (conn.usable if idle >= CHECK_AFTER_S else not conn._lost):
+                conn.reused_after = idle
                 return conn
             conn.close()
         try:
@@ -387,6 +408,7 @@ class Pool:
             conn.close()
 
 
+CHECK_AFTER_S = 0.1  # idle this long or more: the socket is checked for the engine's close before reuse
 STALE_IDLE_S = 1.0  # servers close idle keep-alive connections after a second or more (uvicorn: 5 s by default)
 
 
@@ -424,7 +446,7 @@ class Client:
         return hit
 
     async def request(self, base: str, method: str, target: str, body: bytes = b"",
-                      content_type: bytes = b"application/json", headers: dict[str, str] | None = None) -> Response:
+                      content_type: bytes = b"application/json", headers: dict[str, str] | bytes | None = None) -> Response:
         """Send one request to ``base`` (``http://host:port``); returns once the status line and headers are in.
 
         The caller must ``release()`` the response (``send`` does it for you)."""
@@ -432,14 +454,14 @@ class Client:
         return await self._send(pool, lambda conn: conn.request(head, body))
 
     async def fetch(self, base: str, method: str, target: str, body: bytes = b"",
-                    content_type: bytes = b"application/json", headers: dict[str, str] | None = None,
+                    content_type: bytes = b"application/json", headers: dict[str, str] | bytes | None = None,
                     limit: int | None = None) -> tuple[int, bytes]:
         """Send one request and read the whole answer: (status, body). The connection goes back to the pool."""
         resp, data = await self.fetch_response(base, method, target, body, content_type, headers, limit)
         return resp.status, data
 
     async def fetch_response(self, base: str, method: str, target: str, body: bytes = b"",
-                             content_type: bytes = b"application/json", headers: dict[str, str] | None = None,
+                             content_type: bytes = b"application/json", headers: dict[str, str] | bytes | None = None,
                              limit: int | None = None) -> tuple[Response, bytes]:
         """As ``fetch``, with the response (status, headers) itself. ``limit``: most body bytes taken
         (default ``max_body``); past it ``BodyTooLarge``."""
@@ -465,21 +487,20 @@ class Client:
             raise
 
     def _head(self, base: str, method: str, target: str, body: bytes, content_type: bytes,
-              headers: dict[str, str] | None) -> tuple[Pool, bytes]:
+              headers: dict[str, str] | bytes | None) -> tuple[Pool, bytes]:
+        """The request head. ``headers``: a dict (checked for control characters), or header lines already
+        encoded and checked by the caller (``header_lines``: the hot path builds them once)."""
         pool, host = self._pool(base)
         head = b"%s %s HTTP/1.1\r\nHost: %s\r\nContent-Length: %d\r\n" % (
             method.encode(), target.encode(), host, len(body))
         if body:
             head += b"Content-Type: " + content_type + b"\r\n"
         if headers:
-            for k, v in headers.items():
-                if BAD_HEADER.search(k) or BAD_HEADER.search(v):
-                    raise ValueError(f"invalid request header {k!r}")
-                head += f"{k}: {v}\r\n".encode("latin-1")
+            head += headers if isinstance(headers, bytes) else header_lines(headers)
         return pool, head + b"\r\n"
 
     def send(self, base: str, method: str, target: str, body: bytes = b"",
-             headers: dict[str, str] | None = None) -> Exchange:
+             headers: dict[str, str] | bytes | None = None) -> Exchange:
         """``async with client.send(...) as resp:``: the response, released on exit."""
         return Exchange(self, base, method, target, body, headers)
 
@@ -493,7 +514,7 @@ class Exchange:
     __slots__ = ("base", "body", "client", "headers", "method", "resp", "target")
 
     def __init__(self, client: Client, base: str, method: str, target: str, body: bytes,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | bytes | None = None) -> None:
         self.client, self.base, self.method, self.target, self.body = client, base, method, target, body
         self.headers = headers
         self.resp: Response | None = None

@@ -179,16 +179,20 @@ def date_line() -> bytes:
 
 
 BAD_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")  # uvicorn's HEADER_VALUE_RE: no CR, LF or other controls
+BAD_OTHER = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # the same but CR and LF (counted apart)
 
 
 def head(status: int, headers: dict[str, str], extra: bytes, keep_alive: bool) -> bytes:
     """The status line and headers. A header name or value with CR, LF or another control character is a
     ``ValueError`` (it would split the response: header injection)."""
-    lines = [b"HTTP/1.1 %d %b\r\n" % (status, REASONS.get(status, b"Unknown")), date_line()]
-    for k, v in headers.items():
-        if BAD_HEADER.search(k) or BAD_HEADER.search(v):
-            raise ValueError(f"invalid response header {k!r}: {v!r}")
-        lines.append(f"{k}: {v}\r\n".encode())
+    block = "".join([f"{k}: {v}\r\n" for k, v in headers.items()])
+    # every answer passes here: one look at the whole block, not two per header. It holds exactly one CR and
+    # one LF per header (ours) and no other control character, or a name or value carried one.
+    n = len(headers)
+    if BAD_OTHER.search(block) or block.count("\r") != n or block.count("\n") != n:
+        bad = next((k, v) for k, v in headers.items() if BAD_HEADER.search(k) or BAD_HEADER.search(v))
+        raise ValueError(f"invalid response header {bad[0]!r}: {bad[1]!r}")
+    lines = [b"HTTP/1.1 %d %b\r\n" % (status, REASONS.get(status, b"Unknown")), date_line(), block.encode()]
     if not keep_alive:
         lines.append(b"Connection: close\r\n")
     lines.append(extra)

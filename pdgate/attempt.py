@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from h1lite.client import header_lines
 from h1lite.server import ClientGone
 from pdgate import protocol, validation
 from pdgate.errors import NoHealthyPair, UpstreamError, UpstreamStatus, WorkerLost, detail_of
@@ -140,20 +141,17 @@ async def prefill_tail(gw: Gateway, att: Attempt, pw: Worker, p_task: asyncio.Ta
         gw.abort_leg(att, pw, False)
 
 
-def leg_headers(ctx: Ctx, att: Attempt) -> dict[str, str]:
-    """What both legs carry besides the body: the attempt's rid as x-request-id (the engines' logs name it),
-    and the client's W3C trace context, passed through."""
-    out = {"x-request-id": att.rid}
-    tp = ctx.request.headers.get("traceparent")
-    if tp is not None:
-        out["traceparent"] = tp
-        ts = ctx.request.headers.get("tracestate")
-        if ts is not None:
-            out["tracestate"] = ts
+def leg_headers(ctx: Ctx, att: Attempt) -> bytes:
+    """What both legs carry besides the body, as encoded header lines: the attempt's rid as x-request-id (the
+    engines' logs name it), and the client's W3C trace context, passed through."""
+    out = b"x-request-id: %b\r\n" % att.rid.encode()
+    h = ctx.request.headers
+    if "traceparent" in h:
+        out += header_lines({k: h[k] for k in ("traceparent", "tracestate") if k in h})
     return out
 
 
-async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: Bind, headers: dict[str, str]) -> bytes:
+async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: Bind, headers: bytes) -> bytes:
     gw = ctx.gw
     try:
         status, body = await gw.up().post_read(w.url, ctx.route, payload, headers)
@@ -173,7 +171,7 @@ async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: B
     return body
 
 
-async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, headers: dict[str, str]) -> bytes:
+async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, headers: bytes) -> bytes:
     gw, rec = ctx.gw, ctx.rec
     try:
         if not rec.stream:

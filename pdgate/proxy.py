@@ -65,19 +65,22 @@ class Watchdog:
     only moves later with each token, so a timer that fires early re-arms itself at the new due
     time. The one move earlier, from TTFT to idle at the first token, re-arms it (``rearm``)."""
 
-    __slots__ = ("ctx", "handle", "loop", "offset")
+    __slots__ = ("at", "ctx", "handle", "loop", "offset")
 
     def __init__(self, ctx: Ctx) -> None:
         self.ctx = ctx
         self.loop = asyncio.get_running_loop()
         self.handle: asyncio.TimerHandle | None = None
         self.offset = self.loop.time() - ctx.gw.now()  # record clock -> loop clock
+        self.at = 0.0  # when the timer fires (record clock)
 
     def arm(self) -> None:
-        self.handle = self.loop.call_at(self.ctx.rec.due()[1] + self.offset, self._fire)
+        self.at = self.ctx.rec.due()[1]
+        self.handle = self.loop.call_at(self.at + self.offset, self._fire)
 
     def rearm(self) -> None:
-        if self.handle is not None:
+        """The due time may have moved earlier (the first token: TTFT -> idle): set the timer there."""
+        if self.handle is not None and self.ctx.rec.due()[1] < self.at:
             self.handle.cancel()
             self.arm()
 
@@ -85,6 +88,7 @@ class Watchdog:
         ctx = self.ctx
         kind, when = ctx.rec.due()
         if when > ctx.gw.now():
+            self.at = when
             self.handle = self.loop.call_at(when + self.offset, self._fire)
             return
         self.handle = None

@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from h1lite.client import BodyTooLarge, Client, ConnectFailed, Exchange
+from h1lite.client import BodyTooLarge, Client, ConnectFailed, Exchange, header_lines
 from pdgate import protocol
 from pdgate.errors import UpstreamConnectError, UpstreamError
 
@@ -32,24 +32,20 @@ class Upstream:
                  api_key: str | None = None) -> None:
         self.client = Client(connect_timeout_s, idle_s, max_open, max_idle, max_body)
         self.abort_timeout_s = abort_timeout_s
-        # engines started with --api-key want it on every call
-        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        # engines started with --api-key want it on every call (encoded once, checked once)
+        self.auth = header_lines({"Authorization": f"Bearer {api_key}"}) if api_key else b""
 
     async def close(self) -> None:
         self.client.close()
 
-    def _headers(self, extra: dict[str, str] | None) -> dict[str, str] | None:
-        if self.auth is None:
-            return extra
-        return {**self.auth, **extra} if extra else self.auth
+    def post(self, base: str, path: str, data: bytes, headers: bytes = b"") -> Exchange:
+        """Start a POST; the caller uses it as an async context manager (for streamed answers). ``headers``:
+        encoded header lines (``h1lite.client.header_lines``)."""
+        return self.client.send(base, "POST", path, data, self.auth + headers)
 
-    def post(self, base: str, path: str, data: bytes, headers: dict[str, str] | None = None) -> Exchange:
-        """Start a POST; the caller uses it as an async context manager (for streamed answers)."""
-        return self.client.send(base, "POST", path, data, self._headers(headers))
-
-    async def post_read(self, base: str, path: str, data: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    async def post_read(self, base: str, path: str, data: bytes, headers: bytes = b"") -> tuple[int, bytes]:
         """POST and read the whole answer (at most ``max_body`` bytes)."""
-        return await self.client.fetch(base, "POST", path, data, headers=self._headers(headers))
+        return await self.client.fetch(base, "POST", path, data, headers=self.auth + headers)
 
     async def abort(self, base_url: str, rid: str) -> int:
         """POST /abort_request (prefix match on the engine; always 200 there)."""

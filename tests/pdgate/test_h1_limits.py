@@ -349,7 +349,7 @@ async def test_a_pooled_connection_the_engine_closed_is_not_reused(closed_first:
             (conn,) = pool.idle
             for w in eng.writers if closed_first else []:
                 w.close()
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.15)  # idle past CHECK_AFTER_S: the socket is looked at before reuse
             assert conn.usable is (not closed_first)
             assert await client.fetch(eng.base, "GET", "/x") == (200, b"ok")
             assert eng.connections == (2 if closed_first else 1) and client.stale_retries == 0
