@@ -457,7 +457,9 @@ class Client:
                     content_type: bytes = b"application/json", headers: dict[str, str] | bytes | None = None,
                     limit: int | None = None) -> tuple[int, bytes]:
         """Send one request and read the whole answer: (status, body). The connection goes back to the pool."""
-        resp, data = await self.fetch_response(base, method, target, body, content_type, headers, limit)
+        pool, head = self._head(base, method, target, body, content_type, headers)
+        limit = self.max_body if limit is None else limit
+        resp, data = await self._send(pool, lambda conn: conn.fetch(head, body, limit))
         return resp.status, data
 
     async def fetch_response(self, base: str, method: str, target: str, body: bytes = b"",

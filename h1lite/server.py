@@ -509,7 +509,10 @@ class HttpProtocol(asyncio.Protocol):
         self.req = None
         req.body = b"".join(self.body) if len(self.body) != 1 else self.body[0]
         self.body = []
-        self.enqueue(req)
+        if self.task is None:  # the common case, inline: nothing being answered on this connection
+            self.task = self.loop.create_task(self.handle(req))
+        else:
+            self.enqueue(req)
 
     def enqueue(self, req: Request) -> None:
         if self.task is None:
