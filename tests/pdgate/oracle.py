@@ -126,7 +126,21 @@ def stalled_streams(draw: st.DrawFn) -> Scenario:
                     faults=(fault,), drain=None, drain_s=0.0, at_deadline=None)
 
 
-scenarios = lambda: st.one_of(free_scenarios(), stalled_streams())  # noqa: E731
+@st.composite
+def drained_under_load(draw: st.DrawFn) -> Scenario:
+    """A drain while requests are still far from done (every decode stalled): past drain_s each must have its
+    answer, not run on to its own deadline."""
+    reqs = tuple(Req(route=draw(st.sampled_from(ROUTES)), stream=draw(st.booleans()), max_tokens=draw(st.integers(8, 30)),
+                     total=None, ttft=None, idle=None, client="reads", leave_after=1, start=0.0)
+                 for _ in range(draw(st.integers(1, 3))))
+    fault = Fault(at=draw(st.floats(0.0, 0.2)), worker=ALL_DECODES, kind="decode_stall", value=1.0,
+                  lasts=draw(st.floats(2.0, 3.0)))
+    return Scenario(seed=draw(st.integers(0, 2**31)), segment=draw(st.sampled_from((0.0, 0.5, 1.0))), reqs=reqs,
+                    faults=(fault,), drain=draw(st.floats(0.3, 0.8)), drain_s=draw(st.sampled_from((0.0, 0.3))),
+                    at_deadline=None)
+
+
+scenarios = lambda: st.one_of(free_scenarios(), stalled_streams(), drained_under_load())  # noqa: E731
 
 
 @dataclass

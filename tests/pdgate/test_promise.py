@@ -30,7 +30,7 @@ STREAM = {**CHAT, "stream": True}
 
 # ---- 1. the idle budget applies from the first token, even when the prefill took longer than it ----
 async def test_idle_deadline_after_a_long_prefill(procs: Procs, http: aiohttp.ClientSession, gateways: list[Any]) -> None:
-    """idle 0.5 s, a prefill of 1 s, then the decode freezes after a few tokens: an idle error within
+    """idle 0.5 s, a prefill of 1 s, then the decode stalls after a few tokens: an idle error within
     ~0.5 s of the last token. On cea4624 the watchdog, having fired early at admission + idle, slept
     until the TTFT deadline (10 s here) and only then said 'idle'."""
     p = procs.sim("prefill", "--fault", "slow_prefill=1")
@@ -41,11 +41,11 @@ async def test_idle_deadline_after_a_long_prefill(procs: Procs, http: aiohttp.Cl
                                     {"x-pdgate-idle-timeout": "0.5", "x-pdgate-ttft-timeout": "10"}))
     while not g.gw.traces.live or next(iter(g.gw.traces.live.values())).chunks < 3:
         await asyncio.sleep(0.02)
-    await set_faults(http, d, decode_freeze=True)
+    await set_faults(http, d, decode_stall=True)  # no more tokens, while /health still answers (a gray failure)
     try:
         seen = await asyncio.wait_for(task, 15)
     finally:
-        await set_faults(http, d, decode_freeze=False)
+        await set_faults(http, d, decode_stall=False)
     assert seen.status == 200 and seen.done_count == 1
     [err] = seen.error_events
     assert err["code"] == "deadline_exceeded" and err["message"].startswith("idle deadline of 0.5s"), err
@@ -122,9 +122,11 @@ async def test_streams_with_events_split_and_merged_complete(procs: Procs, http:
     d = procs.sim("decode", "--fault", "segment=1", "--fault", "segment_seed=12")
     g = await gateway(gateways, [p], [d])
     seen = await asyncio.gather(*(call(http, g.url + "/v1/chat/completions", {**STREAM, "max_tokens": 12})
-                                  for _ in range(8)))
+                                  for _ in range(24)))
+    doubled = [s.rid for s in seen if s.done_count != 1 or s.error_events]
+    assert not doubled, f"{len(doubled)} of 24 streams got an error event or two [DONE]s"
     for s in seen:
-        assert s.status == 200 and s.error is None and s.done_count == 1 and not s.error_events, s
+        assert s.status == 200 and s.error is None, s
         assert len(s.tokens) == 12
         t = await trace(http, g, s.rid or "")
         assert t["outcome"] == "completed" and t["tokens"]["chunks"] == 12, t
