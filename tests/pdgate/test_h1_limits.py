@@ -523,3 +523,15 @@ async def huge_leg(g: Any, port: int) -> None:
     # the leg's own error, or (when a health check got there first) the worker's: both say why
     assert out.startswith(b"HTTP/1.1 502 ") and b"answered more than 1048576 bytes" in out, out[:300]
     assert rss_mb() - before < 20
+
+
+def test_the_open_files_limit_is_raised_at_start() -> None:
+    """Every connection is an fd: the soft limit goes up to the hard one (in a child, so this process keeps its own)."""
+    import subprocess
+    import sys
+
+    code = ("import resource; from pdgate.server import raise_fd_limit; s, h = resource.getrlimit(resource.RLIMIT_NOFILE);"
+            "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, h), h)); raise_fd_limit();"
+            "print(resource.getrlimit(resource.RLIMIT_NOFILE) == (h, h))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True", out.stderr
