@@ -535,3 +535,16 @@ def test_the_open_files_limit_is_raised_at_start() -> None:
             "print(resource.getrlimit(resource.RLIMIT_NOFILE) == (h, h))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "True", out.stderr
+
+
+async def test_a_request_split_at_every_few_bytes_is_answered(app: App) -> None:
+    """uvicorn's fragmentation case: head and body arrive in 7-byte pieces, and the answer is whole."""
+    r, w = await asyncio.open_connection("127.0.0.1", app.port)
+    raw = b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 11\r\nConnection: close\r\n\r\nhello world"
+    for i in range(0, len(raw), 7):
+        w.write(raw[i:i + 7])
+        await w.drain()
+        await asyncio.sleep(0.005)
+    out = await read_all(r, 2.0)
+    w.close()
+    assert out.startswith(b"HTTP/1.1 200 OK") and out.endswith(b"hello world")
