@@ -322,6 +322,15 @@ class RawEngine:
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nX-Engine: sim\r\nRetry-After: 3\r\n\r\nok"
 
 
+async def flood(w: asyncio.StreamWriter) -> None:
+    """An answer of 2 GiB, written as fast as the peer takes it."""
+    w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (2 << 30))
+    zeros = b"\0" * (1 << 20)
+    for _ in range(2048):
+        w.write(zeros)
+        await w.drain()
+
+
 async def test_an_engine_that_died_with_our_request_is_not_sent_it_again() -> None:
     """A connection busy a moment ago that closes without an answer is an engine that died holding our
     request: the failure surfaces (the gateway retries on another pair, with a new room), never a silent
@@ -422,13 +431,6 @@ async def test_pool_caps_open_connections_per_origin() -> None:
 async def test_a_huge_answer_is_bounded(limit: int | None) -> None:
     """An engine (or anything registered as one) answering 2 GiB: the read stops at the limit with a clear
     error, memory + < 10 MB; with no limit it keeps reading (checked up to 256 MB, then we stop it)."""
-    async def flood(w: asyncio.StreamWriter) -> None:
-        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (2 << 30))
-        zeros = b"\0" * (1 << 20)
-        for _ in range(2048):
-            w.write(zeros)
-            await w.drain()
-
     client = Client(connect_timeout_s=1.0)
     before = rss_mb()
     async with RawEngine(lambda n: flood) as eng:
@@ -485,13 +487,6 @@ async def test_a_huge_leg_answer_and_a_huge_health_answer_through_the_gateway() 
     bounded; its /health answer is refused as well (the worker is down, its error says why)."""
     from pdgate.config import GatewayConfig, HealthConfig, ReconcileConfig, WorkerSpec, validate
     from tests.pdgate.harness import start_gateway
-
-    async def flood(w: asyncio.StreamWriter) -> None:
-        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (2 << 30))
-        zeros = b"\0" * (1 << 20)
-        for _ in range(2048):
-            w.write(zeros)
-            await w.drain()
 
     prefill_ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}"
     async with RawEngine(lambda n: prefill_ok) as pre, RawEngine(lambda n: flood) as dec:
