@@ -79,10 +79,6 @@ class Request:
             self._query = dict(parse_qsl(self.query_string, keep_blank_values=True))
         return self._query
 
-    @property
-    def streaming(self) -> bool:
-        return self.stream is not None
-
     def open_stream(self, status: int, headers: dict[str, str]) -> Stream:
         """Send the status line and headers now; the body follows in ``write()`` or ``send()`` calls."""
         self.stream = Stream(self, status, headers)
@@ -248,16 +244,6 @@ async def pass_turn() -> None:
     await asyncio.sleep(0)
 
 
-class Limits:
-    """The server's time limits, in seconds (uvicorn's ``timeout_keep_alive`` is 5 s; nginx's
-    ``client_header_timeout`` and ``client_body_timeout`` 60 s)."""
-
-    __slots__ = ("body_s", "head_s", "keepalive_s")
-
-    def __init__(self, keepalive_s: float = 75.0, head_s: float = 10.0, body_s: float = 60.0) -> None:
-        self.keepalive_s, self.head_s, self.body_s = keepalive_s, head_s, body_s
-
-
 class Server:
     """Owns the listening socket, the connections and their reaper."""
 
@@ -265,19 +251,12 @@ class Server:
                  keepalive_s: float = 75.0, head_timeout_s: float = 10.0, body_timeout_s: float = 60.0) -> None:
         self.dispatch = dispatch
         self.max_body = max_body
-        self.limits = Limits(keepalive_s, head_timeout_s, body_timeout_s)
+        # uvicorn's timeout_keep_alive is 5 s; nginx's client_header_timeout and client_body_timeout 60 s
+        self.keepalive_s, self.head_s, self.body_s = keepalive_s, head_timeout_s, body_timeout_s
         self.conns: set[HttpProtocol] = set()
         self.server: asyncio.AbstractServer | None = None
         self.reaper: asyncio.Task[None] | None = None
         self.draining = False
-
-    @property
-    def keepalive_s(self) -> float:
-        return self.limits.keepalive_s
-
-    @keepalive_s.setter
-    def keepalive_s(self, value: float) -> None:
-        self.limits.keepalive_s = value
 
     async def start(self, host: str, port: int, backlog: int = 1024) -> None:
         loop = asyncio.get_running_loop()
@@ -288,19 +267,18 @@ class Server:
     async def _reap(self) -> None:
         """Close connections idle longer than the keep-alive time, and those whose request head (or body)
         has taken longer than its limit to arrive, however many bytes trickle in (slowloris): 408."""
-        lim = self.limits
         while True:
-            await asyncio.sleep(min(1.0, lim.keepalive_s / 2, lim.head_s / 2, lim.body_s / 2))
+            await asyncio.sleep(min(1.0, self.keepalive_s / 2, self.head_s / 2, self.body_s / 2))
             now = time.monotonic()
             for c in list(self.conns):
                 if c.task is not None:
                     continue
                 if c.parsing_since is not None:
-                    limit = lim.head_s if c.req is None else lim.body_s
+                    limit = self.head_s if c.req is None else self.body_s
                     if now - c.parsing_since > limit:
                         what = "request head" if c.req is None else "request body"
                         c.protocol_error(ProtocolError(408, f"{what} not received within {limit:g}s", "request_timeout"))
-                elif now - c.last_active > lim.keepalive_s:
+                elif now - c.last_active > self.keepalive_s:
                     c.close()
 
     async def close(self, drain_s: float = 0.0, on_deadline: Callable[[], object] | None = None,

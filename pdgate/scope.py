@@ -67,10 +67,6 @@ class Scope:
         self._task: asyncio.Task[Any] | None = None
         self._issued = False
 
-    @property
-    def cancelled(self) -> bool:
-        return self.reason is not None
-
     def cancel(self, reason: Reason) -> bool:
         """Record ``reason`` if it is the first; cancel the block's task. True if this reason won."""
         if self.reason is not None:

@@ -280,7 +280,7 @@ async def test_idle_and_half_sent_connections_are_reaped(keepalive_s: float) -> 
     then nothing after the head timeout (here the same); with long limits both are still open when we look."""
     f = Front()
     f.server.keepalive_s = keepalive_s
-    f.server.limits.head_s = keepalive_s
+    f.server.head_s = keepalive_s
     await f.server.start("127.0.0.1", f.port)
     try:
         idle = await asyncio.open_connection("127.0.0.1", f.port)

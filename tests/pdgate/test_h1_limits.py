@@ -190,7 +190,7 @@ async def test_a_pipeliner_that_never_reads_is_bounded(app: App, monkeypatch: py
 @pytest.mark.parametrize("head_s", [1.0, 1000.0])
 async def test_slowloris_is_closed_within_the_head_timeout(app: App, head_s: float) -> None:
     """One byte every 0.1 s: each byte is activity, so keep-alive reaping never fires; the head timeout does (408)."""
-    app.server.limits.head_s = head_s
+    app.server.head_s = head_s
     r, w = await asyncio.open_connection("127.0.0.1", app.port)
     t0 = time.monotonic()
     closed_at = None
