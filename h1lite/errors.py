@@ -16,6 +16,7 @@ class HTTPError(Exception):
     status = 500
     type = "internal_error"
     code = "internal_error"
+    headers: dict[str, str] | None = None  # sent with the answer (WWW-Authenticate, Retry-After)
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)

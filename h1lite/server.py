@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import socket
 import time
@@ -49,12 +50,12 @@ REASONS[499] = b"Client Closed Request"
 
 
 def error_response(exc: HTTPError) -> Response:
-    return Response(error_json(exc), exc.status)
+    return Response(error_json(exc), exc.status, headers=exc.headers)
 
 
 class Request:
     __slots__ = ("_query", "body", "failed", "headers", "keep_alive", "match", "method", "on_gone", "path", "proto",
-                 "query_string", "stream", "too_large", "version")
+                 "query_string", "state", "stream", "too_large", "version")
 
     def __init__(self, proto: HttpProtocol, method: str, path: str, query_string: str, headers: dict[str, str],
                  version: str) -> None:
@@ -72,6 +73,7 @@ class Request:
         # called instead of cancelling the handler task when the client goes away (a handler that ends
         # its work through its own cancel scope sets it)
         self.on_gone: Callable[[], object] | None = None
+        self.state: Any = None  # what the application's middleware learned about the request (who sent it)
 
     @property
     def query(self) -> dict[str, str]:
@@ -259,10 +261,29 @@ class Server:
         self.draining = False
 
     async def start(self, host: str, port: int, backlog: int = 1024) -> None:
+        """Listen on ``host:port`` (port 0: a free one, then read ``self.port``)."""
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(lambda: HttpProtocol(self), host, port, reuse_address=True,
                                                backlog=backlog)
         self.reaper = loop.create_task(self._reap())
+
+    async def start_unix(self, path: str, backlog: int = 1024) -> None:
+        """Listen on a Unix socket at ``path`` (a stale socket file there is replaced), readable by its owner only."""
+        loop = asyncio.get_running_loop()
+        old = os.umask(0o177)
+        try:
+            self.server = await loop.create_unix_server(lambda: HttpProtocol(self), path, backlog=backlog)
+        finally:
+            os.umask(old)
+        self.reaper = loop.create_task(self._reap())
+
+    @property
+    def port(self) -> int:
+        """The TCP port listened on (0 for a Unix socket)."""
+        assert self.server is not None, "not started"
+        sockets = cast(asyncio.Server, self.server).sockets  # uvloop's Server has them too, without subclassing
+        name = sockets[0].getsockname()
+        return int(name[1]) if isinstance(name, tuple) else 0
 
     async def _reap(self) -> None:
         """Close connections idle longer than the keep-alive time, and those whose request head (or body)
@@ -346,7 +367,7 @@ class HttpProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
         sock = transport.get_extra_info("socket")
-        if sock is not None:
+        if sock is not None and sock.family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server.conns.add(self)
 
