@@ -124,9 +124,14 @@ class Child:
                 "running": self.proc is not None and self.proc.returncode is None, "ready": self.ready.is_set()}
 
 
+ENGINE_API_KEY_ENV = "SIM_API_KEY"  # the sim reads its --api-key from here too (kept out of the process list)
+
+
 class Supervisor:
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, api_key: str | None = None) -> None:
+        """``api_key``: the engines' API key (SGLang's ``--api-key``), given to every worker started here."""
         self.cluster = cluster
+        self.api_key = api_key
         self.children = {w.name: Child(w) for w in cluster.workers}
         self._lock = asyncio.Lock()
 
@@ -140,14 +145,27 @@ class Supervisor:
             c.watcher = asyncio.create_task(self._watch(c))
         await asyncio.gather(*(self.wait_ready(c) for c in self.children.values()))
 
-    async def _spawn(self, c: Child) -> None:
+    def command(self, c: Child) -> tuple[list[str], dict[str, str]]:
+        """The worker's command line and environment, with the engines' API key: the sim reads it from its
+        environment, SGLang from ``--api-key`` (the only way it takes one)."""
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **dict(c.spec.env)}
+        cmd = c.spec.command()
+        if self.api_key:
+            if c.spec.engine == "sglang":
+                cmd += ["--api-key", self.api_key]
+            else:
+                env[ENGINE_API_KEY_ENV] = self.api_key
+        return cmd, env
+
+    async def _spawn(self, c: Child) -> None:
+        cmd, env = self.command(c)
+        shown = " ".join("<api key>" if self.api_key and a == self.api_key else a for a in cmd)
         with open(self.log_path(c.spec.name), "ab") as out:  # noqa: ASYNC230 - a local log file
-            out.write(f"--- start {time.strftime('%Y-%m-%d %H:%M:%S')}: {' '.join(c.spec.command())}\n".encode())
+            out.write(f"--- start {time.strftime('%Y-%m-%d %H:%M:%S')}: {shown}\n".encode())
             out.flush()
             # a session of its own: a terminal's Ctrl-C (SIGINT to the foreground process group) reaches
             # the supervisor's process alone, which stops the workers itself, after the gateway drained
-            c.proc = await asyncio.create_subprocess_exec(*c.spec.command(), stdout=out, stderr=asyncio.subprocess.STDOUT,
+            c.proc = await asyncio.create_subprocess_exec(*cmd, stdout=out, stderr=asyncio.subprocess.STDOUT,
                                                           env=env, preexec_fn=_die_with_parent, start_new_session=True)
         c.starts += 1
         c.started_at = time.monotonic()

@@ -87,7 +87,8 @@ def start_targets(stack: Stack, mini_lb: bool, fake: bool = False) -> tuple[dict
     wait_http(workers["decode"] + "/health", proc=dec.popen)
     targets: dict[str, tuple[str, Proc | None]] = {"direct": ("", None)}
     gp = free_port()
-    g = stack.spawn("pdgate", [py, "-m", "pdgate", "serve", "--port", str(gp), "--prefill", workers["prefill"], str(bp),
+    g = stack.spawn("pdgate", [py, "-m", "pdgate", "serve", "--port", str(gp), "--admin-port", str(free_port()),
+                               "--prefill", workers["prefill"], str(bp),
                                "--decode", workers["decode"], "--log-level", "WARNING"])
     targets["pdgate"] = (f"http://127.0.0.1:{gp}", g)
     routers = [("sglang-router", [])] + ([("mini_lb", ["--mini-lb"])] if mini_lb else [])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import re
 import time
@@ -28,6 +29,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from loadtest.output import pyplot, verdict_command
+from pdgate.cli import admin_key
 
 GAUGE = "num_prefill_inflight_queue_reqs"
 FORCE_FAILS = "num_prefill_inflight_timeout_reqs_total"
@@ -89,8 +91,13 @@ async def one(http: aiohttp.ClientSession, gateway: str, model: str, rng: random
         return {"plan": plan, "outcome": f"error:{exc.__class__.__name__}", "seconds": round(time.monotonic() - t0, 3)}
 
 
-async def find_prefills(http: aiohttp.ClientSession, gateway: str) -> tuple[list[str], list[str]]:
-    async with http.get(gateway + "/v1/workers") as r:
+def admin_headers(a: argparse.Namespace) -> dict[str, str]:
+    key = admin_key(a.admin_key)  # the flag, PDGATE_ADMIN_KEY(_FILE), or the key `pdgate up` wrote
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+async def find_prefills(http: aiohttp.ClientSession, admin: str, headers: dict[str, str]) -> tuple[list[str], list[str]]:
+    async with http.get(admin + "/v1/workers", headers=headers) as r:
         workers = (await r.json())["workers"]
     return ([w["url"] + "/metrics" for w in workers if w["role"] == "prefill"],
             [w["id"] for w in workers if w["role"] == "decode"])
@@ -103,7 +110,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         decodes: list[str] = []
         metrics_urls = list(a.prefill_metrics)
         if not metrics_urls or a.restart_decode:
-            found, decodes = await find_prefills(http, a.gateway)
+            found, decodes = await find_prefills(http, a.admin, admin_headers(a))
             metrics_urls = metrics_urls or found
         t_start = time.monotonic()
 
@@ -135,7 +142,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             for i in range(a.iterations):
                 if a.restart_decode and decodes and i == a.iterations // 2:
                     marks.append({"t": now(), "event": f"restart {decodes[0]}"})
-                    async with http.post(f"{a.gateway}/v1/workers/{decodes[0]}/restart") as r:
+                    async with http.post(f"{a.admin}/v1/workers/{decodes[0]}/restart", headers=admin_headers(a)) as r:
                         marks[-1]["status"] = r.status
                 results += await asyncio.gather(*(one(http, a.gateway, a.model, rng, a.request_timeout)
                                                   for _ in range(a.instances)))
@@ -209,8 +216,11 @@ def plot(out: dict[str, Any], path: Path) -> None:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("storm", help="the seed's verification protocol: baseline, abort storm, monitor, verdict")
     p.add_argument("--gateway", required=True)
+    p.add_argument("--admin", default=os.environ.get("PDGATE_ADMIN_URL", "http://127.0.0.1:30002"),
+                   help="the gateway's admin plane (workers, restart; env PDGATE_ADMIN_URL)")
+    p.add_argument("--admin-key", help="the admin key (as the pdgate CLI finds it when not given)")
     p.add_argument("--prefill-metrics", action="append", default=[], metavar="URL",
-                   help="a prefill's /metrics URL (repeatable; default: found through the gateway's /v1/workers)")
+                   help="a prefill's /metrics URL (repeatable; default: found through the admin plane's /v1/workers)")
     p.add_argument("--iterations", type=int, default=30)
     p.add_argument("--instances", type=int, default=3)
     p.add_argument("--watchdog", type=float, default=60, help="the engines' inflight watchdog, seconds")

@@ -1,33 +1,46 @@
-"""``pdgate``: serve, up, and the operator commands (ps, trace, workers, top, abort)."""
+"""``pdgate``: serve, up, the operator commands (ps, trace, workers, top, abort) and ``keys``.
+
+The operator commands talk to the admin plane: ``--admin URL`` (or ``PDGATE_ADMIN_URL``; ``unix:/path`` for a
+Unix socket; default http://127.0.0.1:30002) with ``--admin-key`` (or ``PDGATE_ADMIN_KEY``, or the file named
+by ``PDGATE_ADMIN_KEY_FILE``, or ``.pdgate/admin.key`` where ``pdgate up`` writes one).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import logging
+import os
 import signal
+import socket
 import sys
 import time
-import urllib.error
-import urllib.request
+import tomllib
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import uvloop
 from rich.console import Console, Group
 from rich.live import Live
 
-from pdgate import config, views
+from pdgate import auth, config, views
 from pdgate.server import build_app, serve
 
 log = logging.getLogger("pdgate")
-DEFAULT_GATEWAY = "http://127.0.0.1:30001"
+DEFAULT_ADMIN = "http://127.0.0.1:30002"
+LOCAL_ADMIN_KEY = Path(".pdgate/admin.key")  # where `pdgate up` writes the admin key it makes
 
 
 def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML file (see config/pdgate.toml)")
     p.add_argument("--host")
     p.add_argument("--port", type=int)
+    p.add_argument("--admin-host", help="the admin plane's address (default 127.0.0.1)")
+    p.add_argument("--admin-port", type=int, help="the admin plane's port (default 30002; 0: any free one)")
+    p.add_argument("--admin-socket", help="serve the admin plane on this Unix socket instead")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -44,13 +57,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start the workers of a cluster file and the gateway in front of them")
     _add_gateway_flags(p)
     p.add_argument("--cluster", default="config/cluster.sim.toml")
+    p.add_argument("--admin-key-file", default=str(LOCAL_ADMIN_KEY),
+                   help="without an admin key in the config, the one made for the admin plane is kept here")
     p.add_argument("--allow-unsafe-kernel-profile", action="store_true",
                    help="run engine=sglang workers even with a known-bad kernel knob (see config/kernels)")
     for name, helptext in (("ps", "live requests"), ("workers", "workers: health, breaker, load, engine queues"),
                            ("top", "live refresh of ps and workers"), ("trace", "one request's timeline"),
                            ("abort", "abort one live request")):
         p = sub.add_parser(name, help=helptext)
-        p.add_argument("--gateway", default=DEFAULT_GATEWAY)
+        p.add_argument("--admin", "--gateway", dest="admin", default=os.environ.get("PDGATE_ADMIN_URL", DEFAULT_ADMIN),
+                       help="the admin plane: http://host:port or unix:/path (env PDGATE_ADMIN_URL)")
+        p.add_argument("--admin-key", help="the admin key (env PDGATE_ADMIN_KEY, PDGATE_ADMIN_KEY_FILE, or "
+                       f"{LOCAL_ADMIN_KEY} as `pdgate up` writes it)")
         p.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
         if name in ("trace", "abort"):
             p.add_argument("id")
@@ -61,6 +79,19 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "top":
             p.add_argument("--interval", type=float, default=1.0)
             p.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0: until Ctrl-C)")
+    p = sub.add_parser("keys", help="make a client or admin key (the key is printed once; the file keeps its hash)")
+    ks = p.add_subparsers(dest="keys_cmd", required=True)
+    k = ks.add_parser("new", help="make a key and add its [[keys]] (or [[admin_keys]]) entry to a keys file")
+    k.add_argument("name", help="the tenant's (or operator's) name: metrics, logs and traces show it")
+    k.add_argument("--file", default="keys.toml", help="the keys file (gateway.keys_file) to append to")
+    k.add_argument("--admin", action="store_true", help="an admin key instead of a client key")
+    k.add_argument("--models", help="comma list of the models this key may use (default: all)")
+    for flag in ("max-concurrent", "requests-per-min", "tokens-per-min"):
+        k.add_argument(f"--{flag}", type=int)
+    for flag in ("max-total-s", "max-ttft-s", "max-idle-s"):
+        k.add_argument(f"--{flag}", type=float)
+    k.add_argument("--priority", choices=config.PRIORITIES)
+    ks.add_parser("hash", help="print the stored form (sha256:...) of a key read from stdin")
     return parser
 
 
@@ -73,7 +104,11 @@ def build_config(args: argparse.Namespace) -> config.GatewayConfig:
         prefill.append(config.parse_prefill_flag(item[0], item[1] if len(item) > 1 else None))
     decode = [config.validate_worker(config.WorkerSpec(url=u.rstrip("/"), role="decode"), "--decode") for u in args.decode]
     return config.override(cfg, host=args.host, port=args.port, policy=args.policy, max_attempts=args.max_attempts,
-                           prefill=tuple(prefill) or None, decode=tuple(decode) or None)
+                           prefill=tuple(prefill) or None, decode=tuple(decode) or None, **admin_flags(args))
+
+
+def admin_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {"admin_host": args.admin_host, "admin_port": args.admin_port, "admin_socket": args.admin_socket}
 
 
 async def run_serve(cfg: config.GatewayConfig) -> None:
@@ -88,47 +123,94 @@ async def run_serve(cfg: config.GatewayConfig) -> None:
     await runner.cleanup()
 
 
-def call(gateway: str, path: str, method: str = "GET") -> tuple[int, Any]:
-    req = urllib.request.Request(gateway.rstrip("/") + path, method=method, data=b"" if method == "POST" else None)
+class UnixConnection(http.client.HTTPConnection):
+    """HTTP over a Unix socket (the admin plane's ``admin_socket``)."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self.path)
+        self.sock = sock
+
+
+class AdminClient:
+    """The admin plane, as the CLI reaches it."""
+
+    def __init__(self, url: str, key: str | None) -> None:
+        self.url = url.rstrip("/")
+        self.key = key
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self.url.startswith("unix:"):
+            return UnixConnection(self.url[5:], 10)
+        u = urlsplit(self.url)
+        if u.scheme != "http" or not u.hostname:
+            raise SystemExit(f"pdgate: the admin URL must be http://host:port or unix:/path, not {self.url!r}")
+        return http.client.HTTPConnection(u.hostname, u.port or 80, timeout=10)
+
+    def call(self, path: str, method: str = "GET") -> tuple[int, Any]:
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        conn = self._connection()
+        try:
+            conn.request(method, path, body=b"" if method == "POST" else None, headers=headers)
+            r = conn.getresponse()
+            raw = r.read()
+        except OSError as exc:
+            raise SystemExit(f"pdgate: cannot reach the admin plane at {self.url}: {exc}") from None
+        finally:
+            conn.close()
+        try:
+            return r.status, json.loads(raw or b"null")
+        except ValueError:
+            return r.status, raw.decode(errors="replace")
+
+    def get(self, path: str) -> Any:
+        status, body = self.call(path)
+        if status != 200:
+            msg = (body or {}).get("error", {}).get("message", body) if isinstance(body, dict) else body
+            hint = " (give the admin key: --admin-key or PDGATE_ADMIN_KEY)" if status in (401, 403) else ""
+            raise SystemExit(f"pdgate: {path}: {status} {msg}{hint}")
+        return body
+
+
+def admin_key(flag: str | None) -> str | None:
+    if flag:
+        return flag
+    if os.environ.get("PDGATE_ADMIN_KEY"):
+        return os.environ["PDGATE_ADMIN_KEY"]
+    path = Path(os.environ["PDGATE_ADMIN_KEY_FILE"]) if os.environ.get("PDGATE_ADMIN_KEY_FILE") else LOCAL_ADMIN_KEY
     try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"null")
-    except OSError as exc:
-        raise SystemExit(f"pdgate: cannot reach the gateway at {gateway}: {exc}") from None
-
-
-def _get(gateway: str, path: str) -> Any:
-    status, body = call(gateway, path)
-    if status != 200:
-        msg = (body or {}).get("error", {}).get("message", body) if isinstance(body, dict) else body
-        raise SystemExit(f"pdgate: {path}: {status} {msg}")
-    return body
+        return path.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def operator_command(args: argparse.Namespace) -> None:
     console = Console()
-    gw = args.gateway
+    gw = AdminClient(args.admin, admin_key(args.admin_key))
     if args.cmd == "ps":
         q = "&".join(f"{k}={v}" for k, v in (("phase", args.phase), ("worker", args.worker), ("min_age_s", args.min_age))
                      if v is not None)
-        data = _get(gw, "/v1/requests" + (f"?{q}" if q else ""))
+        data = gw.get("/v1/requests" + (f"?{q}" if q else ""))
         console.print_json(data=data) if args.json else console.print(views.ps_table(data))
     elif args.cmd == "workers":
-        data = _get(gw, "/v1/workers")
+        data = gw.get("/v1/workers")
         console.print_json(data=data) if args.json else console.print(views.workers_table(data))
     elif args.cmd == "trace":
-        data = _get(gw, f"/v1/requests/{args.id}")
+        data = gw.get(f"/v1/requests/{args.id}")
         console.print_json(data=data) if args.json else console.print(views.trace_view(data))
     elif args.cmd == "abort":
-        status, body = call(gw, f"/v1/requests/{args.id}/abort", "POST")
+        status, body = gw.call(f"/v1/requests/{args.id}/abort", "POST")
         console.print_json(data=body)
         if status != 200:
             raise SystemExit(1)
     elif args.cmd == "top":
         def frame() -> Group:
-            return Group(views.ps_table(_get(gw, "/v1/requests")), views.workers_table(_get(gw, "/v1/workers")))
+            return Group(views.ps_table(gw.get("/v1/requests")), views.workers_table(gw.get("/v1/workers")))
 
         n = 0
         with Live(frame(), console=console, refresh_per_second=4) as live:
@@ -141,9 +223,49 @@ def operator_command(args: argparse.Namespace) -> None:
                 pass
 
 
+def keys_command(args: argparse.Namespace) -> None:
+    if args.keys_cmd == "hash":
+        print(config.hash_key(sys.stdin.readline().strip()))
+        return
+    key = auth.new_key()
+    entry: dict[str, Any] = {"name": args.name, "hash": config.hash_key(key)}
+    if not args.admin:
+        if args.models:
+            entry["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
+        for name in ("max_concurrent", "requests_per_min", "tokens_per_min", "max_total_s", "max_ttft_s", "max_idle_s",
+                     "priority"):
+            if getattr(args, name) is not None:
+                entry[name] = getattr(args, name)
+    table = "admin_keys" if args.admin else "keys"
+    path = Path(args.file)
+    # the file with the new entry, checked as the gateway will read it, before anything is written
+    try:
+        with open(path, "rb") as existing:
+            probe = tomllib.load(existing)
+    except FileNotFoundError:
+        probe = {}
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise config.ConfigError("--file", str(path), f"cannot be read: {exc}") from None
+    probe[table] = [*probe.get(table, []), entry]
+    config.from_mapping(probe)
+    lines = [f"\n[[{table}]]"] + [f"{k} = {json.dumps(v)}" for k, v in entry.items()]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "a") as f:
+        f.write("\n".join(lines) + "\n")
+    print(key)
+    print(f"pdgate: {'admin' if args.admin else 'client'} key '{args.name}' added to {path} (only its hash is kept "
+          "there; this is the one time the key is shown)", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.cmd == "keys":
+        try:
+            keys_command(args)
+        except config.ConfigError as exc:
+            parser.exit(2, f"pdgate: {exc}\n")
+        return
     if args.cmd not in ("serve", "up"):
         operator_command(args)
         return
@@ -155,7 +277,8 @@ def main(argv: list[str] | None = None) -> None:
         else:
             from pdgate.up import run_up  # the one place the gateway meets engine/
 
-            uvloop.run(run_up(args.cluster, args.config, args.host, args.port, args.allow_unsafe_kernel_profile))
+            uvloop.run(run_up(args.cluster, args.config, args.host, args.port, args.allow_unsafe_kernel_profile,
+                              admin_flags(args), Path(args.admin_key_file)))
     except (config.ConfigError, ValueError) as exc:
         parser.exit(2, f"pdgate: {exc}\n")
 

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import ipaddress
+import re
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +19,9 @@ from urllib.parse import urlsplit
 from pdgate.protocol import DEFAULT_BOOTSTRAP_PORT
 
 POLICIES = ("round_robin", "least_loaded", "power_of_two")
+PRIORITIES = ("high", "normal", "low")  # a key's priority class (admission control orders its queue by it)
+KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # a tenant's name: a metric label, a log field
+KEY_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
 
 
 class ConfigError(ValueError):
@@ -68,6 +74,28 @@ class ReconcileConfig:
 
 
 @dataclass(frozen=True)
+class KeyConfig:
+    """A client key: its name is the tenant; the key itself is kept only as ``sha256:<hex>``."""
+
+    name: str
+    hash: str
+    models: tuple[str, ...] = ()  # empty: every model served
+    max_concurrent: int | None = None  # live requests at once
+    requests_per_min: int | None = None
+    tokens_per_min: int | None = None  # prompt + completion tokens
+    max_total_s: float | None = None  # caps on the deadlines this key's requests may ask for
+    max_ttft_s: float | None = None
+    max_idle_s: float | None = None
+    priority: str = "normal"  # high | normal | low
+
+
+@dataclass(frozen=True)
+class AdminKey:
+    name: str  # who did it, in the audit log
+    hash: str
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     url: str
     role: str
@@ -104,6 +132,17 @@ class GatewayConfig:
     max_upstream_body_bytes: int = 64 * 1024 * 1024  # a non-streaming leg's answer larger than this is a 502
     worker_api_key: str | None = None  # sent as Authorization: Bearer to the engines (SGLang's --api-key)
     instance_id: str | None = None
+    # access control (README "Access control"): the admin plane is a listener of its own
+    admin_host: str = "127.0.0.1"
+    admin_port: int = 30002  # 0: any free port
+    admin_socket: str | None = None  # a Unix socket path for the admin plane instead of admin_host:admin_port
+    metrics_on_front: bool = False  # also serve /metrics on the front door (without a key, as SGLang does)
+    keys: tuple[KeyConfig, ...] = ()  # client keys; none: the front door is open
+    admin_keys: tuple[AdminKey, ...] = ()  # none: the admin plane is open (it must then stay on loopback)
+    keys_file: str | None = None  # a TOML file with more [[keys]] and [[admin_keys]]
+    admin_key_file: str | None = None  # a file holding one admin key in plain text (pdgate up writes one)
+    allowed_worker_hosts: tuple[str, ...] | None = None  # POST /v1/workers: hosts, IPs, CIDRs, "*"; default loopback + config hosts
+    max_workers: int = 64
     # Safety switch for demonstrations and tests: with false the gateway never calls
     # /abort_request (like today's routers) and leaves cleanup to the engines.
     abort_legs: bool = True
@@ -163,7 +202,92 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
     for role in ("prefill", "decode"):
         for i, w in enumerate(getattr(cfg, role)):
             validate_worker(w, f"{role}[{i}]")
+    _validate_access(cfg)
     return cfg
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _validate_access(cfg: GatewayConfig) -> None:
+    if cfg.admin_socket is None:
+        if not 0 <= cfg.admin_port < 65536:
+            raise ConfigError("gateway.admin_port", cfg.admin_port, "must be a TCP port (0: any free one)")
+        if cfg.admin_port == cfg.port and cfg.admin_port != 0:
+            raise ConfigError("gateway.admin_port", cfg.admin_port, "must differ from gateway.port (the admin plane is "
+                              "a listener of its own)")
+        if not cfg.admin_keys and not is_loopback(cfg.admin_host):
+            raise ConfigError("gateway.admin_host", cfg.admin_host, "an admin plane beyond loopback needs an admin key "
+                              "(admin_keys, admin_key_file or keys_file)")
+    _positive("gateway.max_workers", cfg.max_workers, integer=True)
+    names: set[tuple[str, str]] = set()
+    hashes: set[str] = set()
+    every: list[tuple[str, int, KeyConfig | AdminKey]] = [("keys", i, k) for i, k in enumerate(cfg.keys)]
+    every += [("admin_keys", i, k) for i, k in enumerate(cfg.admin_keys)]
+    for section, i, k in every:
+        if not isinstance(k.name, str) or not KEY_NAME.match(k.name):
+            raise ConfigError(f"{section}[{i}].name", k.name, "must be 1-64 of A-Z a-z 0-9 _ . - (it is a metric label)")
+        if not isinstance(k.hash, str) or not KEY_HASH.match(k.hash):
+            raise ConfigError(f"{section}[{i}].hash", "<hidden>", "must be sha256:<64 hex digits> "
+                              "(`pdgate keys new` makes a key and its hash)")
+        if (section, k.name) in names or k.hash in hashes:
+            raise ConfigError(f"{section}[{i}]", k.name, "a key name or hash appears twice (an admin key must not "
+                              "also be a client key)")
+        names.add((section, k.name))
+        hashes.add(k.hash)
+    for i, k in enumerate(cfg.keys):
+        if k.priority not in PRIORITIES:
+            raise ConfigError(f"keys[{i}].priority", k.priority, f"one of {', '.join(PRIORITIES)}")
+        if not isinstance(k.models, tuple) or not all(isinstance(m, str) for m in k.models):
+            raise ConfigError(f"keys[{i}].models", k.models, "must be a list of model names")
+        for f in ("max_concurrent", "requests_per_min", "tokens_per_min"):
+            if getattr(k, f) is not None:
+                _positive(f"keys[{i}].{f}", getattr(k, f), integer=True)
+        for f in ("max_total_s", "max_ttft_s", "max_idle_s"):
+            if getattr(k, f) is not None:
+                _positive(f"keys[{i}].{f}", getattr(k, f))
+    for entry in cfg.allowed_worker_hosts or ():
+        if not isinstance(entry, str) or not entry or (entry != "*" and "/" in entry and _network(entry) is None):
+            raise ConfigError("gateway.allowed_worker_hosts", entry, "a host name, an IP, a CIDR (10.0.0.0/8) or *")
+
+
+def _network(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    try:
+        return ipaddress.ip_network(entry, strict=False)
+    except ValueError:
+        return None
+
+
+def worker_hosts_allowed(cfg: GatewayConfig) -> tuple[str, ...]:
+    """Where ``POST /v1/workers`` may point: the configured list, else loopback and the hosts of the workers
+    in the config (the operator's own network, never anywhere a caller names)."""
+    if cfg.allowed_worker_hosts is not None:
+        return cfg.allowed_worker_hosts
+    return ("127.0.0.0/8", "::1", "localhost", *sorted({w.host.strip("[]") for w in (*cfg.prefill, *cfg.decode)}))
+
+
+def host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
+    host = host.strip("[]").lower()
+    try:
+        ip: ipaddress.IPv4Address | ipaddress.IPv6Address | None = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    for entry in allowed:
+        if entry == "*" or entry.lower() == host:
+            return True
+        if ip is not None and "/" in entry:
+            net = _network(entry)
+            if net is not None and ip.version == net.version and ip in net:
+                return True
+        elif ip is not None and _network(entry) is not None and ipaddress.ip_address(entry) == ip:
+            return True
+    return False
 
 
 def validate_worker(w: WorkerSpec, key: str = "worker") -> WorkerSpec:
@@ -181,6 +305,10 @@ def validate_worker(w: WorkerSpec, key: str = "worker") -> WorkerSpec:
         raise ConfigError(f"{key}.url", w.url, f"not a URL: {exc}") from None
     if not u.hostname:
         raise ConfigError(f"{key}.url", w.url, "must be http://host:port")
+    if u.port == 0:
+        raise ConfigError(f"{key}.url", w.url, "port 0 is not a worker's port")
+    if u.username is not None or u.password is not None or u.query or u.fragment or u.path not in ("", "/"):
+        raise ConfigError(f"{key}.url", w.url, "must be http://host:port only (no credentials, path or query)")
     if w.bootstrap_port is not None and not (isinstance(w.bootstrap_port, int) and 0 < w.bootstrap_port < 65536):
         raise ConfigError(f"{key}.bootstrap_port", w.bootstrap_port, "must be a TCP port")
     return w
@@ -208,21 +336,70 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
     for role in ("prefill", "decode"):
         items = data.pop(role, [])
         sections[role] = tuple(_build(WorkerSpec, {**w, "role": role}, f"{role}.") for w in items)
+    sections.update(_key_sections(data, ""))
     if data:
         key = next(iter(data))
         raise ConfigError(key, data[key], "unknown section")
-    if "peers" in top:
-        top["peers"] = tuple(top["peers"])
+    for key in ("peers", "allowed_worker_hosts"):
+        if isinstance(top.get(key), list):
+            top[key] = tuple(top[key])
     if "abort_repeat_s" in top:
         top["abort_repeat_s"] = tuple(top["abort_repeat_s"]) if isinstance(top["abort_repeat_s"], list) else top["abort_repeat_s"]
     return validate(_build(GatewayConfig, {**top, **sections}, "gateway."))
+
+
+def _key_sections(data: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """``[[keys]]`` and ``[[admin_keys]]`` tables (popped from ``data``)."""
+    keys = []
+    for i, k in enumerate(data.pop("keys", [])):
+        k = dict(k)
+        if isinstance(k.get("models"), list):
+            k["models"] = tuple(k["models"])
+        keys.append(_build(KeyConfig, k, f"{prefix}keys[{i}]."))
+    admins = tuple(_build(AdminKey, dict(k), f"{prefix}admin_keys[{i}].") for i, k in enumerate(data.pop("admin_keys", [])))
+    return {"keys": tuple(keys), "admin_keys": admins}
+
+
+def with_key_files(cfg: GatewayConfig, base: Path = Path(".")) -> GatewayConfig:
+    """Add the keys of ``keys_file`` and the admin key in ``admin_key_file`` (relative paths from ``base``)."""
+    keys, admins = cfg.keys, cfg.admin_keys
+    if cfg.keys_file:
+        path = base / cfg.keys_file
+        try:
+            with open(path, "rb") as f:
+                data = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError("gateway.keys_file", str(path), f"cannot be read: {exc}") from None
+        extra = _key_sections(data, f"{cfg.keys_file}: ")
+        if data:
+            raise ConfigError(f"{cfg.keys_file}: {next(iter(data))}", "...", "unknown section (keys, admin_keys)")
+        keys, admins = keys + extra["keys"], admins + extra["admin_keys"]
+    if cfg.admin_key_file:
+        path = base / cfg.admin_key_file
+        try:
+            secret = path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError("gateway.admin_key_file", str(path), f"cannot be read: {exc}") from None
+        if not secret:
+            raise ConfigError("gateway.admin_key_file", str(path), "is empty")
+        admins = (*admins, AdminKey(name="admin", hash=hash_key(secret)))
+    if (keys, admins) == (cfg.keys, cfg.admin_keys):
+        return cfg
+    return validate(dataclasses.replace(cfg, keys=keys, admin_keys=admins, keys_file=None, admin_key_file=None))
+
+
+def hash_key(key: str) -> str:
+    """How a key is stored: its SHA-256 (keys are random and long, so a fast hash is the right one; no salt
+    is needed for secrets nobody chose)."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
 
 
 def load(path: str | Path | None) -> GatewayConfig:
     if path is None:
         return validate(GatewayConfig())
     with open(path, "rb") as f:
-        return from_mapping(tomllib.load(f))
+        cfg = from_mapping(tomllib.load(f))
+    return with_key_files(cfg, Path(path).parent)
 
 
 def parse_prefill_flag(url: str, port: str | None) -> WorkerSpec:

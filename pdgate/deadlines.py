@@ -31,7 +31,7 @@ def _parse(value: Any, source: str) -> float:
     return seconds
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=1024)  # one DeadlineConfig per key with caps
 def _defaults(cfg: DeadlineConfig) -> tuple[float, float, float]:
     return (min(cfg.total_s, cfg.max_total_s), min(cfg.ttft_s, cfg.max_ttft_s), min(cfg.idle_s, cfg.max_idle_s))
 

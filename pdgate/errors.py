@@ -5,13 +5,18 @@
     │   ├── InvalidJSON                400 invalid_json
     │   ├── InvalidField               400 invalid_value (param names the field)
     │   └── InvalidDeadline            400 invalid_deadline
+    ├── Unauthorized                   401 invalid_api_key (no key, or not a key of this plane's kind)
+    ├── Forbidden                      403 permission_denied (a valid key that may not do this)
     ├── NotFound                       404 not_found
     │   └── ModelNotFound              404 model_not_found
+    ├── Conflict                       409 conflict (a worker registered twice, the worker limit)
+    ├── RateLimited                    429 rate_limit_exceeded (Retry-After; type names the limit)
     ├── PayloadTooLarge                413 payload_too_large
     ├── NoHealthyPair                  503 no_healthy_pair
+    ├── WorkerUnreachable              502 worker_unreachable (a registration whose /health did not answer 200)
     ├── UpstreamError                  502 upstream_error (retryable before the first byte)
     │   ├── UpstreamConnectError       502 upstream_connect_error
-    │   ├── UpstreamStatus             502 upstream_5xx | the engine's 4xx passed through
+    │   ├── UpstreamStatus             502 upstream_5xx | upstream_unauthorized (401/403) | the engine's 4xx passed through
     │   └── WorkerLost                 502 worker_restarted (worker, role and cause as fields)
     ├── Draining                       503 gateway_draining (the gateway stopped before the answer was done)
     ├── DeadlineExceeded               504 deadline_exceeded
@@ -55,6 +60,44 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
 
+class Unauthorized(GatewayError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+    headers = {"WWW-Authenticate": 'Bearer realm="pdgate"'}
+
+
+class Forbidden(GatewayError):
+    status = 403
+    type = "invalid_request_error"
+    code = "permission_denied"
+
+
+class Conflict(GatewayError):
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
+class RateLimited(GatewayError):
+    """A key's limit reached; ``limit`` is concurrency, requests or tokens (OpenAI's ``type`` is the last two)."""
+
+    status = 429
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, limit: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.limit = limit
+        self.type = "tokens" if limit == "tokens" else "requests"
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+
+class WorkerUnreachable(GatewayError):
+    status = 502
+    type = "upstream_error"
+    code = "worker_unreachable"
+
+
 class NoHealthyPair(GatewayError):
     status = 503
     type = "service_unavailable"
@@ -90,7 +133,10 @@ class UpstreamStatus(UpstreamError):
         super().__init__(message, role=role, worker=worker)
         self.upstream_status = upstream_status
         self.detail = detail
-        if 400 <= upstream_status < 500 and upstream_status != 429:
+        if upstream_status in (401, 403):  # the engine refused the gateway's credentials: not the client's fault
+            self.code = "upstream_unauthorized"
+            self.reason = "unauthorized"
+        elif 400 <= upstream_status < 500 and upstream_status != 429:
             self.status = upstream_status
             self.type = "invalid_request_error"
             self.code = "engine_rejected"
@@ -140,15 +186,27 @@ def sse_error_event(exc: GatewayError) -> bytes:
     return b"data: " + error_json(exc) + b"\n\ndata: [DONE]\n\n"
 
 
-def detail_of(body: bytes) -> Any:
-    """What an engine's error body says, for our message: its ``error.message`` or ``message``, else its text."""
+DETAIL_CHARS = 200
+
+
+def one_line(text: str, limit: int = DETAIL_CHARS) -> str:
+    """``text`` as one line of printable characters, at most ``limit`` of them: what of an engine's words reaches
+    a client or a log line (never a page of someone else's HTML, never a forged line)."""
+    flat = " ".join("".join(c if c.isprintable() else " " for c in text[: limit * 4]).split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def detail_of(body: bytes) -> str:
+    """What an engine's error body says, for our message: its ``error.message`` or ``message``, else its text;
+    bounded and on one line (``one_line``)."""
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError:
-        return body[:300].decode(errors="replace")
+        return one_line(body[: DETAIL_CHARS * 4].decode(errors="replace"))
     if isinstance(obj, dict):
         err = obj.get("error")
         if isinstance(err, dict):
-            return err.get("message", err)
-        return obj.get("message", err if err is not None else obj)
-    return obj
+            obj = err.get("message", err)
+        else:
+            obj = obj.get("message", err if err is not None else obj)
+    return one_line(obj if isinstance(obj, str) else orjson.dumps(obj).decode())

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from pdgate import policies
+from pdgate import auth, policies
 from pdgate.config import GatewayConfig
 from pdgate.metrics import Metrics, worker_families
 from pdgate.record import Attempt, Observer, Phase, Record, transition
@@ -44,6 +44,8 @@ class Gateway:
         # recently ended (worker id, rid, time), bounded: count-mode reconciliation re-aborts these
         self.recent: deque[tuple[str, str, float]] = deque(maxlen=cfg.reconcile.recent_rids)
         self.clock = time.monotonic
+        self.tenants = auth.tenants(cfg.keys, cfg.deadlines, self.clock)  # None: an open front door
+        self.admins = auth.admins(cfg.admin_keys)  # None: an open admin plane (loopback only)
         for spec in (*cfg.prefill, *cfg.decode):
             self.pool.add(spec)
         self.metrics.add_collector(lambda: worker_families(
@@ -74,8 +76,9 @@ class Gateway:
         return self.clock()
 
     def new_id(self) -> str:
-        # fixed width: no id is a prefix of another (engines abort by rid prefix)
-        return f"pdg-{self.instance}-{next(self._seq):012x}"
+        # fixed width (no id is a prefix of another: engines abort by rid prefix), in order, and unguessable:
+        # a sequence number and 64 random bits (one client's id tells nothing of the next one's)
+        return f"pdg-{self.instance}-{next(self._seq) & 0xFFFFFFFF:08x}{secrets.randbits(64):016x}"
 
     def kick(self, w: Worker) -> None:
         """Ask for an immediate health check of ``w`` (after a connection failure)."""

@@ -18,6 +18,7 @@ import logging
 from typing import Any
 
 from pdgate import protocol
+from pdgate.errors import one_line
 from pdgate.gateway import Gateway
 from pdgate.workers import Breaker, State, Worker
 
@@ -32,15 +33,20 @@ async def check(gw: Gateway, w: Worker) -> None:
         status, _ = await gw.up().get(w.url + protocol.HEALTH_PATH, cfg.timeout_s)
         ok = status == 200
         if ok:
-            _, info = await gw.up().get_json(w.url + protocol.SERVER_INFO_PATH, cfg.timeout_s)
+            status, info = await gw.up().get_json(w.url + protocol.SERVER_INFO_PATH, cfg.timeout_s)
+            if status in (401, 403):  # /health is open on SGLang with --api-key; the rest is not
+                ok = False
+                w.last_error = (f"/server_info answered {status}: the engine refuses the gateway's credentials "
+                                "(worker_api_key must be its --api-key)")
+        if ok:
             if isinstance(info, dict) and protocol.IDENTITY_FIELD not in info and w.info_path is not False:
                 info = {**info, **await ext_info(gw, w, cfg.timeout_s)}
             _, loads = await gw.up().get_json(w.url + protocol.LOADS_PATH + "?include=disagg", cfg.timeout_s)
             w.engine = _engine_counts(loads)
-        else:
+        elif w.last_error is None or not w.last_error.startswith("/server_info"):
             w.last_error = f"/health answered {status}"
     except OSError as exc:
-        w.last_error = f"{exc.__class__.__name__}: {exc}"
+        w.last_error = one_line(f"{exc.__class__.__name__}: {exc}")
     if ok:
         on_up(gw, w, info if isinstance(info, dict) else {})
     else:

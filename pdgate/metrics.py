@@ -80,6 +80,12 @@ class Metrics:
                            registry=r)
         self.reconcile_aborts = Counter("pdgate_reconcile_aborts", "Aborts sent by reconciliation", ["worker", "mode"],
                                         registry=r)
+        # by tenant: key names from the config only (never a key, never an id); plain counts like the above
+        self.tenant_finished: dict[tuple[str, str], int] = {}  # (tenant, outcome) -> count
+        self.tenant_tok: dict[tuple[str, str], int] = {}  # (tenant, prompt|completion) -> tokens
+        self.rejected: dict[tuple[str, str], int] = {}  # (tenant, reason) -> count
+        self.admin_actions = Counter("pdgate_admin_actions", "Admin-plane actions by actor (admin key name), action "
+                                     "and HTTP status", ["actor", "action", "status"], registry=r)
         self.add_collector(self._request_families)
 
     def on_transition(self, rec: Record, frm: Phase, to: Phase, spent: float) -> None:
@@ -95,6 +101,19 @@ class Metrics:
             e2e.observe((rec.finished_at or 0.0) - rec.created)
             if rec.first_token_at is not None:
                 self.ttft_hist.observe(rec.first_token_at - rec.created)
+            if rec.tenant is not None:
+                tk = (rec.tenant, to.value)
+                self.tenant_finished[tk] = self.tenant_finished.get(tk, 0) + 1
+
+    def tenant_tokens(self, tenant: str | None, prompt: int, completion: int) -> None:
+        if tenant is not None:
+            for kind, n in (("prompt", prompt), ("completion", completion)):
+                self.tenant_tok[(tenant, kind)] = self.tenant_tok.get((tenant, kind), 0) + n
+
+    def reject(self, tenant: str, reason: str) -> None:
+        """A request refused before admission: ``reason`` is unauthenticated, forbidden, concurrency, requests
+        or tokens (tenant ``unknown`` when no valid key came)."""
+        self.rejected[(tenant, reason)] = self.rejected.get((tenant, reason), 0) + 1
 
     def _request_families(self) -> Iterator[Metric]:
         req = CounterMetricFamily("pdgate_requests", "Finished requests by route and outcome", labels=["route", "outcome"])
@@ -111,6 +130,18 @@ class Metrics:
         yield hist_family("pdgate_ttft_seconds", "Admission to first token", [], {(): self.ttft_hist})
         yield hist_family("pdgate_e2e_seconds", "Admission to terminal outcome", ["outcome"],
                           {(k,): h for k, h in sorted(self.e2e_hist.items())})
+        tables: tuple[tuple[str, str, list[str], dict[tuple[str, str], int]], ...] = (
+                ("pdgate_tenant_requests", "Finished requests by tenant (client key name) and outcome",
+                 ["tenant", "outcome"], self.tenant_finished),
+                ("pdgate_tenant_tokens", "Tokens by tenant and kind (prompt, completion)", ["tenant", "kind"],
+                 self.tenant_tok),
+                ("pdgate_tenant_rejected", "Requests refused before admission by tenant and reason", ["tenant", "reason"],
+                 self.rejected))
+        for name, doc, labels, table in tables:
+            fam = CounterMetricFamily(name, doc, labels=labels)
+            for key, n in sorted(table.items()):
+                fam.add_metric(list(key), float(n))
+            yield fam
 
     def add_collector(self, fn: Callable[[], Iterator[Metric]]) -> None:
         class _C(Collector):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from h1lite.server import Response, Stream
+from pdgate.auth import Tenant
 from pdgate.errors import Aborted, DeadlineExceeded, Draining, GatewayError, error_json, sse_error_event
 from pdgate.record import Phase, Record, phase_label
 from pdgate.scope import Cause, Reason
@@ -37,7 +38,7 @@ def from_reason(ctx: Ctx, reason: Reason) -> tuple[Phase, GatewayError | None]:
         ctx.gw.metrics.deadlines.labels(reason.budget, phase_label(rec.phase)).inc()
         return Phase.DEADLINE_EXCEEDED, deadline_error(rec, reason.budget)
     if cause is Cause.OPERATOR:
-        return Phase.ABORTED, Aborted("request aborted by an operator")
+        return Phase.ABORTED, Aborted(f"request aborted {reason.detail or 'by an operator'}")
     if cause is Cause.DRAIN:
         return Phase.ABORTED, Draining(f"drain: the gateway is shutting down and stopped this request in phase "
                                        f"{phase_label(rec.phase)}" + (f" ({reason.detail})" if reason.detail else ""))
@@ -79,6 +80,11 @@ def finalize(ctx: Ctx, outcome: Phase, reason: str | None, status: int) -> None:
     gw.move(rec, outcome, reason)
     gw.traces.finish(rec)
     now = gw.now()
+    tenant = ctx.request.state
+    if isinstance(tenant, Tenant):
+        used = (rec.prompt_tokens or rec.estimate) + (rec.completion_tokens or rec.chunks)
+        tenant.charge(used - rec.estimate, now)  # the estimate charged at admission, settled
+        gw.metrics.tenant_tokens(rec.tenant, rec.prompt_tokens or 0, rec.completion_tokens or rec.chunks)
     for a in rec.attempts:
         gw.recent.append((a.prefill, a.rid, now))
         gw.recent.append((a.decode, a.rid, now))

@@ -1,6 +1,6 @@
 """Reconciliation: the gateway and the engines agree on the set of live requests.
 
-Every rid pdgate issues is ``pdg-<instance>-<seq>.<attempt>``: the instance id tags its owner.
+Every rid pdgate issues is ``pdg-<instance>-<seq><random>.<attempt>``: the instance id tags its owner.
 Each ``reconcile.interval_s``, per worker:
 
 - **exact mode** (the worker offers ``GET /pdgate/v1/requests``): a rid older than
@@ -31,7 +31,7 @@ from pdgate.gateway import Gateway
 from pdgate.workers import Worker
 
 log = logging.getLogger("pdgate.reconcile")
-RID = re.compile(r"^pdg-([0-9a-f]+)-[0-9a-f]{12}\.[1-9]$")
+RID = re.compile(r"^pdg-([0-9a-f]+)-[0-9a-f]{24}\.[1-9]$")
 PREFILL_COUNTS = ("prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs")
 DECODE_COUNTS = ("decode_prealloc_queue_reqs", "decode_transfer_queue_reqs", "num_running_reqs")
 

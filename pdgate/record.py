@@ -121,6 +121,9 @@ class Record:
     prompt_tokens: int | None = None
     bytes_sent: bool = False  # the client has received bytes: no more retries
     cause: str | None = None  # why it ended early (scope.Cause value: deadline, drain, client_gone, ...)
+    tenant: str | None = None  # the client key's name (None: an open front door)
+    priority: str = "normal"  # the key's priority class
+    estimate: int = 0  # prompt tokens charged to the key's tokens_per_min at admission (settled at the end)
 
     def __post_init__(self) -> None:
         self.phase_since = self.created

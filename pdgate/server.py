@@ -1,23 +1,37 @@
-"""The application: front routes (OpenAI + SGLang native), admin API, lifecycle (on ``h1lite.server``)."""
+"""The application: two planes, each a listener with its routes and its middleware chain; lifecycle.
+
+- The **front door** (``host:port``): the OpenAI and SGLang routes, ``/v1/models``, ``/health``, ``/readiness``,
+  ``/v1/lease`` (peers read it), and the request endpoints for a client key's own requests. With client keys
+  configured, every request but the probes needs one (``Authorization: Bearer``): 401 without, and the key's
+  limits apply (429). Operator paths answer 401 without credentials and 403 with any.
+- The **admin plane** (``admin_host:admin_port`` or ``admin_socket``): workers, requests, cluster, metrics,
+  behind the admin key when one is configured (401 without, 403 with any other key); it may be open only on
+  loopback or a Unix socket (``config`` refuses the rest). Changes are audited (``admin.py``).
+
+Middleware wraps each plane's dispatch (``chain``): authentication (client key -> tenant), the tenant's
+limits; admission control and an access log have their place in the same chain.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
+import os
 import resource
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
-import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from h1lite.server import Request, Response, Router, Server, Stream, json_response
-from pdgate import health, proxy, reconcile, traces, validation
-from pdgate.config import ConfigError, GatewayConfig, WorkerSpec, parse_prefill_flag, validate_worker
-from pdgate.errors import BadRequest, NotFound
+from pdgate import admin, health, proxy, reconcile, validation
+from pdgate.auth import Admin, Tenant, bearer
+from pdgate.config import GatewayConfig, is_loopback, worker_hosts_allowed
+from pdgate.errors import Forbidden, RateLimited, Unauthorized, one_line
 from pdgate.gateway import Gateway
-from pdgate.record import Record
-from pdgate.scope import Cause, Reason
 
 log = logging.getLogger("pdgate.server")
 
@@ -32,8 +46,11 @@ class Owner(Protocol):
 
 # ---- front ---------------------------------------------------------------------------------
 async def models(app: App, request: Request) -> Response:
-    gw = app.gw
-    data = [{"id": m, "object": "model", "created": 0, "owned_by": "pdgate"} for m in sorted(gw.known_models())]
+    served = app.gw.known_models()
+    tenant = request.state
+    if isinstance(tenant, Tenant) and tenant.models:
+        served = served & tenant.models  # a key sees the models it may use
+    data = [{"id": m, "object": "model", "created": 0, "owned_by": "pdgate"} for m in sorted(served)]
     return json_response({"object": "list", "data": data})
 
 
@@ -58,147 +75,95 @@ async def metrics(app: App, request: Request) -> Response:
     return Response(app.gw.metrics.render(), content_type=CONTENT_TYPE_LATEST)
 
 
-# ---- admin: workers ------------------------------------------------------------------------------
-async def list_workers(app: App, request: Request) -> Response:
-    gw = app.gw
-    now = gw.now()
-    return json_response({"workers": [w.view(now) for w in gw.pool.by_id.values()]})
+async def operator_only(app: App, request: Request) -> Response:
+    """An operator path asked at the front door: never served here, whatever the key."""
+    if "authorization" in request.headers:
+        raise Forbidden(f"{request.path} is served on the admin plane only")
+    raise Unauthorized(f"{request.path} is an operator endpoint: it is served on the admin plane only, with the "
+                       "admin key")
 
 
-async def add_worker(app: App, request: Request) -> Response:
-    gw = app.gw
-    body = await _json(request)
-    try:
-        role, url = body.get("role"), str(body.get("url", "")).rstrip("/")
-        if role == "prefill":
-            spec = parse_prefill_flag(url, body.get("bootstrap_port"))
-        else:
-            spec = validate_worker(WorkerSpec(url=url, role=str(role)))
-        w = gw.pool.add(spec)
-    except (ConfigError, ValueError, TypeError) as exc:
-        raise BadRequest(str(exc)) from None
-    app.start_health(w.id)
-    await health.check(gw, w)
-    return json_response(w.view(gw.now()), 201)
+# ---- middleware ------------------------------------------------------------------------------------
+Dispatch = Callable[[Request], Awaitable[Response | Stream]]
+Middleware = Callable[[Dispatch], Dispatch]
+GENERATION = frozenset((validation.CHAT, validation.COMPLETIONS, validation.GENERATE))
+PROBES = frozenset(("/health", "/readiness", "/v1/lease"))  # answered without a key (k8s probes, peers)
+LOCAL = Admin("local")
 
 
-async def remove_worker(app: App, request: Request) -> Response:
-    gw = app.gw
-    wid = request.match["id"]
-    if wid not in gw.pool.by_id:
-        raise NotFound(f"no worker {wid}")
-    w = gw.pool.remove(wid, gw.now())
-    task = app.health_tasks.pop(wid, None)
-    if task is not None:
-        task.cancel()
-    return json_response({"removed": wid, "url": w.url})
+def chain(dispatch: Dispatch, *middleware: Middleware) -> Dispatch:
+    """``dispatch`` wrapped by ``middleware``, the first outermost."""
+    for mw in reversed(middleware):
+        dispatch = mw(dispatch)
+    return dispatch
 
 
-async def restart_worker(app: App, request: Request) -> Response:
-    gw = app.gw
-    wid = request.match["id"]
-    w = gw.pool.by_id.get(wid)
-    if w is None:
-        raise NotFound(f"no worker {wid}")
-    owner = app.owner
-    if owner is None:
-        raise NotFound("this gateway does not run its workers (start it with `pdgate up` to restart them from here)")
-    child = await owner.restart_url(w.url)
-    await health.check(gw, w)
-    return json_response({"worker": w.view(gw.now()), "process": child})
+def client_keys(app: App) -> Middleware:
+    """Front door with client keys: the key names the tenant (``request.state``), its limits apply to generation."""
+    keys, metrics, clock = app.gw.tenants, app.gw.metrics, app.gw.now
+    assert keys is not None
+    operator = app.operator_paths
+
+    def wrap(nxt: Dispatch) -> Dispatch:
+        async def run(request: Request) -> Response | Stream:
+            path = request.path
+            if path in PROBES or path in operator or path.startswith("/v1/workers/"):
+                return await nxt(request)  # probes are open; operator paths refuse any key themselves
+            token = bearer(request.headers)
+            tenant = keys.lookup(token) if token is not None else None
+            if tenant is None:
+                metrics.reject("unknown", "unauthenticated")
+                raise Unauthorized("no API key given: send Authorization: Bearer <key>" if token is None else
+                                   "invalid API key")  # the key itself is never echoed
+            request.state = tenant
+            if path not in GENERATION:
+                return await nxt(request)
+            try:
+                tenant.admit(clock())
+            except RateLimited as exc:
+                metrics.reject(tenant.name, exc.limit)
+                raise
+            try:
+                return await nxt(request)
+            finally:
+                tenant.release()
+
+        return run
+
+    return wrap
 
 
-async def cluster(app: App, request: Request) -> Response:
-    owner = app.owner
-    if owner is None:
-        raise NotFound("this gateway does not run its workers")
-    return json_response({"processes": owner.view()})
+def admin_keys(app: App) -> Middleware:
+    """Admin plane: the admin key when one is configured (401 without, 403 with any other); else open."""
+    keys = app.gw.admins
 
+    def wrap(nxt: Dispatch) -> Dispatch:
+        async def run(request: Request) -> Response | Stream:
+            if keys is None:
+                request.state = LOCAL
+                return await nxt(request)
+            token = bearer(request.headers)
+            who = keys.lookup(token) if token is not None else None
+            if who is None:
+                err: Unauthorized | Forbidden = (Unauthorized("the admin plane needs the admin key (Authorization: "
+                                                              "Bearer <admin key>)") if token is None
+                                                 else Forbidden("not an admin key"))
+                admin.audit(app, request, "denied", one_line(f"{request.method}:{request.path}", 100), err.status)
+                raise err
+            request.state = who
+            return await nxt(request)
 
-# ---- admin: requests -------------------------------------------------------------------------------
-async def list_requests(app: App, request: Request) -> Response:
-    gw = app.gw
-    q = request.query
-    try:
-        min_age = float(q["min_age_s"]) if "min_age_s" in q else None
-    except ValueError:
-        raise BadRequest(f"min_age_s must be a number, got {q['min_age_s']!r}") from None
-    now = gw.now()
-    recs = gw.traces.query(now, q.get("phase"), q.get("worker"), min_age)
-    return json_response({"requests": [traces.summary(r, now) for r in recs], "count": len(recs)})
+        return run
 
-
-async def get_request(app: App, request: Request) -> Response:
-    gw = app.gw
-    rec = gw.traces.get(request.match["id"])
-    if rec is None:
-        raise NotFound(f"no live or recent request {request.match['id']}")
-    engine = await engine_view(gw, rec) if rec.live else None
-    return json_response(traces.full(rec, gw.now(), engine))
-
-
-async def engine_view(gw: Gateway, rec: Record) -> dict[str, Any]:
-    """Where the engines hold this request (bootstrap / inflight / transfer / running), if they say."""
-    a = rec.attempt
-    if a is None:
-        return {}
-    out: dict[str, Any] = {}
-
-    async def one(wid: str) -> None:
-        w = gw.pool.by_id.get(wid)
-        if w is None or not w.has_extension:
-            return
-        try:
-            _, body = await gw.up().get_json(w.url + "/pdgate/v1/requests", 1.0)
-        except Exception:  # a trace must render whatever the engine does
-            out[wid] = {"queue": "unknown"}
-            return
-        hits = [r for r in (body or {}).get("requests", []) if r.get("rid") == a.rid]
-        out[wid] = hits[0] if hits else {"queue": None}
-
-    await asyncio.gather(one(a.prefill), one(a.decode))
-    return out
-
-
-async def abort_request(app: App, request: Request) -> Response:
-    gw = app.gw
-    asked = request.match["id"]
-    rec = gw.traces.get(asked)
-    if rec is None:
-        raise NotFound(f"no live request {asked}")
-    ctx = gw.live.get(rec.id)
-    if ctx is None:
-        return json_response({"id": rec.id, "aborted": False, "reason": "already finished"}, 409)
-    won = ctx.cancel(Reason(Cause.OPERATOR))
-    return json_response({"id": rec.id, "aborted": won, **({} if won else {"reason": "already ending"})},
-                         200 if won else 409)
-
-
-async def _json(request: Request) -> dict[str, Any]:
-    try:
-        body = orjson.loads(request.body)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"invalid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("body must be a JSON object")
-    return body
+    return wrap
 
 
 # ---- lifecycle -------------------------------------------------------------------------------------
-ROUTES: list[tuple[str, str, Any]] = [
+FRONT: list[tuple[str, str, Any]] = [
     ("GET", "/v1/models", models),
     ("GET", "/health", liveness),
     ("GET", "/readiness", readiness),
-    ("GET", "/metrics", metrics),
     ("GET", "/v1/lease", lease),
-    ("GET", "/v1/workers", list_workers),
-    ("POST", "/v1/workers", add_worker),
-    ("DELETE", "/v1/workers/{id}", remove_worker),
-    ("POST", "/v1/workers/{id}/restart", restart_worker),
-    ("GET", "/v1/cluster", cluster),
-    ("GET", "/v1/requests", list_requests),
-    ("GET", "/v1/requests/{id}", get_request),
-    ("POST", "/v1/requests/{id}/abort", abort_request),
 ]
 
 
@@ -212,13 +177,49 @@ class App:
         self.health_tasks: dict[str, asyncio.Task[None]] = {}
         self.reconciler = reconcile.Reconciler(self.gw)
         self.rec_task: asyncio.Task[None] | None = None
-        self.router = Router()
-        for route in (validation.CHAT, validation.COMPLETIONS, validation.GENERATE):
-            self.router.add("POST", route, functools.partial(self.generate, route))
-        for method, path, handler in ROUTES:
-            self.router.add(method, path, functools.partial(handler, self))
-        self.server = Server(self.router.dispatch, cfg.max_body_bytes, cfg.keepalive_s, cfg.head_timeout_s,
-                             cfg.body_timeout_s)
+        self.worker_hosts = worker_hosts_allowed(cfg)
+        self.router = front = Router()
+        for route in GENERATION:
+            front.add("POST", route, functools.partial(self.generate, route))
+        for method, path, handler in FRONT:
+            front.add(method, path, functools.partial(handler, self))
+        back = Router()
+        for method, path, handler in [*FRONT, ("GET", "/metrics", metrics)]:
+            back.add(method, path, functools.partial(handler, self))
+        self.operator_paths: set[str] = set()
+        for method, path, handler, action in admin.ROUTES:
+            h = admin.audited(action, handler) if action else handler
+            back.add(method, path, functools.partial(h, self))
+            if path in admin.REQUEST_PATHS:
+                front.add(method, path, functools.partial(h, self))  # a client key's own requests
+            else:
+                front.add(method, path, functools.partial(operator_only, self))
+                self.operator_paths.add(path)
+        if cfg.metrics_on_front:
+            front.add("GET", "/metrics", functools.partial(metrics, self))
+        else:
+            front.add("GET", "/metrics", functools.partial(operator_only, self))
+            self.operator_paths.add("/metrics")
+        dispatch = front.dispatch if self.gw.tenants is None else chain(front.dispatch, client_keys(self))
+        self.server = Server(dispatch, cfg.max_body_bytes, cfg.keepalive_s, cfg.head_timeout_s, cfg.body_timeout_s)
+        self.admin = Server(chain(back.dispatch, admin_keys(self)), 1 << 20, cfg.keepalive_s, cfg.head_timeout_s,
+                            cfg.body_timeout_s)
+        if self.gw.tenants is not None:
+            self.gw.metrics.add_collector(self._tenant_gauges)
+
+    def _tenant_gauges(self) -> Iterator[Metric]:
+        live = GaugeMetricFamily("pdgate_tenant_live_requests", "Live requests by tenant (client key name)",
+                                 labels=["tenant"])
+        for t in sorted(self.gw.tenants.values() if self.gw.tenants else (), key=lambda t: t.name):
+            live.add_metric([t.name], float(t.live))
+        yield live
+
+    @property
+    def admin_url(self) -> str:
+        """Where the admin plane listens: ``http://host:port`` or ``unix:/path``."""
+        if self.cfg.admin_socket:
+            return f"unix:{self.cfg.admin_socket}"
+        return f"http://{self.cfg.admin_host}:{self.admin.port}"
 
     async def generate(self, route: str, request: Request) -> Response | Stream:
         return await proxy.handle(self.gw, request, route)
@@ -235,18 +236,39 @@ class App:
             self.start_health(wid)
         if gw.cfg.reconcile.enabled:
             self.rec_task = asyncio.get_running_loop().create_task(self.reconciler.run())
+        c = self.cfg
+        if c.admin_socket:
+            await self.admin.start_unix(c.admin_socket)
+        else:
+            await self.admin.start(c.admin_host, c.admin_port)
         await self.server.start(host, port)
+        warning = open_front_door(host, gw.tenants is not None)
+        if warning:
+            log.warning(warning)
+        log.info("admin plane on %s (%s)", self.admin_url, "admin key required" if gw.admins else "open: loopback only")
 
     async def cleanup(self) -> None:
         """Drain: stop accepting, let live requests finish for ``drain_s``, then give each one still
         live its terminal answer (and abort its legs) before the connections close."""
         drain_s = self.cfg.drain_s
         await self.server.close(drain_s, lambda: self.gw.drain(f"still live after drain_s={drain_s:g}s"))
+        await self.admin.close()
+        if self.cfg.admin_socket:
+            with contextlib.suppress(OSError):
+                os.unlink(self.cfg.admin_socket)
         if self.rec_task is not None:
             self.rec_task.cancel()
         for t in self.health_tasks.values():
             t.cancel()
         await self.gw.stop()
+
+
+def open_front_door(host: str, keys: bool) -> str | None:
+    """The warning for a front door without client keys beyond loopback (it stays open: as before)."""
+    if keys or is_loopback(host):
+        return None
+    return (f"the front door listens on {host or 'every address'} without client keys: anyone who reaches it may "
+            "send requests (configure [[keys]]; README 'Access control')")
 
 
 def raise_fd_limit() -> None:

@@ -83,6 +83,7 @@ def summary(rec: Record, now: float) -> dict[str, Any]:
         "rid": a.rid if a else None, "chunks": rec.chunks,
         "deadline": {"next": kind, "left_s": round(due - now, 3)} if rec.live else None,
         "outcome": rec.outcome.value if rec.outcome else None,
+        "tenant": rec.tenant,
     }
 
 

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -42,15 +43,20 @@ def alive(pid: int) -> bool:
         return False
 
 
-def get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as r:
+def get(url: str, key: str | None = None) -> Any:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(req, timeout=5) as r:
         return json.loads(r.read())
 
 
-def post(url: str, body: dict[str, Any] | None = None) -> tuple[int, Any, dict[str, str]]:
-    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return r.status, json.loads(r.read()), dict(r.headers)
+def post(url: str, body: dict[str, Any] | None = None, key: str | None = None) -> tuple[int, Any, dict[str, str]]:
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null"), dict(exc.headers)
 
 
 async def test_supervisor_restarts_a_killed_worker(tmp_path: Path) -> None:
@@ -82,18 +88,29 @@ def test_cluster_file_errors_are_clear(tmp_path: Path) -> None:
         load_cluster(bad)
 
 
-def cli(gateway: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "pdgate", *args, "--gateway", gateway], cwd=ROOT, capture_output=True,
-                         text=True, timeout=30, env={**os.environ, "COLUMNS": "200"})
-    assert out.returncode == 0, out.stderr
-    return out.stdout
+def cli(admin: str, *args: str, key_file: Path | None = None, check: bool = True) -> str:
+    env = {**os.environ, "COLUMNS": "200", "PDGATE_ADMIN_URL": admin}
+    env.pop("PDGATE_ADMIN_KEY", None)
+    if key_file is not None:
+        env["PDGATE_ADMIN_KEY_FILE"] = str(key_file)
+    out = subprocess.run([sys.executable, "-m", "pdgate", *args], cwd=ROOT, capture_output=True,
+                         text=True, timeout=30, env=env)
+    if check:
+        assert out.returncode == 0, out.stderr
+    return out.stdout + out.stderr
+
+
+def up_command(tmp_path: Path, port: int, admin_port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "pdgate", "up", "--cluster", str(cluster_file(tmp_path, 1, 1)), "--port", str(port),
+            "--admin-port", str(admin_port), "--admin-key-file", str(tmp_path / "admin.key"), *extra]
 
 
 def test_pdgate_up_end_to_end(procs: Procs, tmp_path: Path) -> None:
-    port = free_port()
-    up = procs.spawn([sys.executable, "-m", "pdgate", "up", "--cluster", str(cluster_file(tmp_path, 1, 1)),
-                      "--port", str(port)], name="pdgate-up")
+    port, admin_port = free_port(), free_port()
+    up = procs.spawn(up_command(tmp_path, port, admin_port), name="pdgate-up")
     gw = f"http://127.0.0.1:{port}"
+    admin = f"http://127.0.0.1:{admin_port}"
+    key_file = tmp_path / "admin.key"
     t0 = time.monotonic()
     wait_http(gw + "/readiness", timeout=60, proc=up.popen)
     status, body, headers = post(gw + "/v1/chat/completions", {"model": "sim-model", "messages": [
@@ -102,18 +119,26 @@ def test_pdgate_up_end_to_end(procs: Procs, tmp_path: Path) -> None:
     assert "pdgate is up" in up.logs() and "curl" in up.logs()
     rid = headers["x-request-id"]
 
-    out = cli(gw, "trace", rid)
+    assert f"admin plane: {admin}" in up.logs() and str(key_file) in up.logs()
+    assert key_file.stat().st_mode & 0o777 == 0o600
+    key = key_file.read_text().strip()
+    assert key not in up.logs()
+
+    out = cli(admin, "trace", rid, key_file=key_file)
     for s in (rid, "completed", "prefill+transfer", "decode_done", "attempt 1"):
         assert s in out, s
-    out = cli(gw, "workers")
+    out = cli(admin, "workers", key_file=key_file)
     assert out.count(" up ") == 2 and "p0" in out and "d0" in out
-    assert "live requests: 0" in cli(gw, "ps")
-    assert json.loads(cli(gw, "ps", "--json"))["count"] == 0
-    assert "workers" in cli(gw, "top", "--iterations", "1", "--interval", "0.1")
+    assert "live requests: 0" in cli(admin, "ps", key_file=key_file)
+    assert json.loads(cli(admin, "ps", "--json", key_file=key_file))["count"] == 0
+    assert "workers" in cli(admin, "top", "--iterations", "1", "--interval", "0.1", key_file=key_file)
+    denied = cli(admin, "ps", key_file=tmp_path / "missing", check=False)
+    assert "401" in denied and "admin key" in denied, denied
+    assert post(gw + "/v1/workers/d0/restart")[0] == 401, "operator endpoints are not on the front door"
 
-    pids = {p["name"]: p["pid"] for p in get(gw + "/v1/cluster")["processes"]}
-    before = {w["id"]: w["identity"] for w in get(gw + "/v1/workers")["workers"]}
-    status, body, _ = post(gw + "/v1/workers/d0/restart")
+    pids = {p["name"]: p["pid"] for p in get(admin + "/v1/cluster", key)["processes"]}
+    before = {w["id"]: w["identity"] for w in get(admin + "/v1/workers", key)["workers"]}
+    status, body, _ = post(admin + "/v1/workers/d0/restart", key=key)
     assert status == 200 and body["process"]["pid"] != pids["decode-0"] and body["worker"]["healthy"]
     assert body["worker"]["identity"] != before["d0"]
     assert not alive(pids["decode-0"])

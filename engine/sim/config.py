@@ -136,6 +136,7 @@ class SimConfig:
     unsafe_kernel: bool = False
     disconnect_notice_s: float = 4.0
     extension: bool = True  # serve GET /pdgate/v1/requests (off: look like plain SGLang)
+    api_key: str | None = None  # SGLang's --api-key: every route but /health*, /ready*, /metrics wants it
 
     @classmethod
     def from_env(cls, **kw: Any) -> SimConfig:
@@ -170,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-buffer-mb", type=int, default=64, help="nixl: registered DRAM buffer per worker")
     p.add_argument("--no-extension", action="store_true",
                    help="do not serve GET /pdgate/v1/requests nor the pdgate fields of /server_info (like plain SGLang)")
+    p.add_argument("--api-key", default=os.environ.get("SIM_API_KEY") or None,
+                   help="as SGLang's --api-key: Authorization: Bearer <key> required (env SIM_API_KEY)")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -191,6 +194,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_budget_tokens=args.kv_budget_tokens,
         kv_buffer_bytes=args.kv_buffer_mb * 1024 * 1024,
         extension=not args.no_extension,
+        api_key=args.api_key,
     )
     for item in args.fault:
         name, sep, value = item.partition("=")

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import random
+import secrets
 import time
 from collections.abc import Awaitable
 from typing import Any
@@ -22,7 +23,7 @@ from engine.sim import metrics
 from engine.sim.config import FIXES, SimConfig, parse_fixes
 from engine.sim.text import chat_prompt, token_ids, token_logprob
 from engine.sim.worker import Engine, EngineError, SimRequest, make_request
-from h1lite.server import Handler, Request, Response, Router, Server, Stream
+from h1lite.server import Handler, Request, Response, Router, Server, Stream, json_response
 from pdgate import protocol as p
 
 log = logging.getLogger("engine.sim.server")
@@ -421,12 +422,26 @@ def build_router(engine: Engine) -> Router:
     return r
 
 
+def authorized(request: Request, key: str) -> bool:
+    """SGLang's ``decide_request_auth`` for NORMAL routes (srt/utils/auth.py): probes and metrics are open, the
+    rest wants ``Authorization: Bearer <key>``, compared in constant time."""
+    path = request.path
+    if request.method == "OPTIONS" or path.startswith(("/health", "/ready", "/metrics")):
+        return True
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), key.encode())
+
+
 def build_server(engine: Engine) -> Server:
     router = build_router(engine)
+
+    key = engine.cfg.api_key
 
     async def dispatch(request: Request) -> Response | Stream:
         if request.path != p.EXT_FAULTS_PATH:  # a frozen decode answers nothing (sockets stay open) but this
             await engine.unfrozen.wait()
+        if key is not None and not authorized(request, key):
+            return json_response({"error": "Unauthorized"}, 401)  # SGLang's answer, word for word
         return await router.dispatch(request)
 
     # SGLang's HTTP server is uvicorn with timeout_keep_alive = SGLANG_TIMEOUT_KEEP_ALIVE (5 s): idle keep-alive

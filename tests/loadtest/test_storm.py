@@ -30,7 +30,7 @@ async def test_storm_verdict(procs: Procs, gateways: list[Any], tmp_path: Path, 
     import asyncio
 
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "loadtest", "storm", "--gateway", g.url, "--iterations", "4", "--instances", "3",
+        sys.executable, "-m", "loadtest", "storm", "--gateway", g.url, "--admin", g.admin, "--iterations", "4", "--instances", "3",
         "--watchdog", "2", "--grace", "2", "--window", "6", "--request-timeout", "20", "--out", str(out), cwd=ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     stdout, _ = await asyncio.wait_for(proc.communicate(), 60)

@@ -21,6 +21,7 @@ class Running:
     url: str
     gw: Gateway
     runner: App
+    admin: str = ""  # the admin plane's URL (workers, requests, cluster, metrics)
 
     async def close(self) -> None:
         await self.runner.cleanup()
@@ -29,6 +30,7 @@ class Running:
 def make_config(prefills: Iterable[Sim], decodes: Iterable[Sim], **kw: Any) -> GatewayConfig:
     health = kw.pop("health", HealthConfig(interval_s=0.5, timeout_s=0.5, failures=2, degraded_after_s=30))
     kw.setdefault("drain_s", 0.5)  # teardown of a test gateway does not wait for requests a test left running
+    kw.setdefault("admin_port", free_port())
     return validate(GatewayConfig(
         port=free_port(),
         prefill=tuple(WorkerSpec(url=p.url, role="prefill", bootstrap_port=p.bootstrap_port) for p in prefills),
@@ -41,7 +43,7 @@ def make_config(prefills: Iterable[Sim], decodes: Iterable[Sim], **kw: Any) -> G
 async def start_gateway(cfg: GatewayConfig) -> Running:
     gw = Gateway(cfg)
     runner = await serve(build_app(cfg, gw), cfg.host, cfg.port)
-    return Running(f"http://127.0.0.1:{cfg.port}", gw, runner)
+    return Running(f"http://127.0.0.1:{cfg.port}", gw, runner, runner.admin_url)
 
 
 async def assert_clean(http: aiohttp.ClientSession, gw: Gateway, workers: Iterable[Sim], within: float = 2.0) -> None:

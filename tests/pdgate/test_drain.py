@@ -25,7 +25,7 @@ async def test_sigterm_lets_live_requests_finish(procs: Procs, http: aiohttp.Cli
     d = procs.sim("decode", "--speed", "15")  # a 30-token answer takes ~1-2 s
     port = free_port()
     cfg = tmp_path / "g.toml"
-    cfg.write_text(f"[gateway]\nport = {port}\ndrain_s = {drain_s}\n[reconcile]\nenabled = false\n"
+    cfg.write_text(f"[gateway]\nport = {port}\nadmin_port = {free_port()}\ndrain_s = {drain_s}\n[reconcile]\nenabled = false\n"
                    f'[[prefill]]\nurl = "{p.url}"\nbootstrap_port = {p.bootstrap_port}\n[[decode]]\nurl = "{d.url}"\n')
     g = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg)], name="gateway")
     url = f"http://127.0.0.1:{port}"

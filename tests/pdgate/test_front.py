@@ -78,21 +78,21 @@ async def test_inspection_api(procs: Procs, http: aiohttp.ClientSession, gateway
     pid = worker_id(g.gw, p)
     for query, n in [("", 1), ("?phase=prefill%2Btransfer", 1), ("?phase=decode", 0), (f"?worker={pid}", 1),
                      ("?worker=d9", 0), ("?min_age_s=0.2", 1), ("?min_age_s=100", 0)]:
-        async with http.get(g.url + "/v1/requests" + query) as r:
+        async with http.get(g.admin + "/v1/requests" + query) as r:
             assert (await r.json())["count"] == n, query
     rid = next(iter(g.gw.traces.live))
-    async with http.get(f"{g.url}/v1/requests/{rid}") as r:
+    async with http.get(f"{g.admin}/v1/requests/{rid}") as r:
         t = await r.json()
     assert t["client_request_id"] == "client-42" and t["phase"] == "prefill+transfer"
     assert t["engine"][pid]["queue"] == "forward"  # where the engine holds it, from the extension
     assert t["deadline"]["next"] == "ttft" and 0 < t["deadline"]["left_s"] <= 120
-    async with http.get(g.url + "/v1/requests/nope") as r:
+    async with http.get(g.admin + "/v1/requests/nope") as r:
         assert r.status == 404
     status, _, _ = await task
     assert status == 200
-    async with http.post(f"{g.url}/v1/requests/{rid}/abort") as r:
+    async with http.post(f"{g.admin}/v1/requests/{rid}/abort") as r:
         assert r.status == 409
-    async with http.get(g.url + "/metrics") as r:
+    async with http.get(g.admin + "/metrics") as r:
         text = await r.text()
     for name in ("pdgate_requests_total", "pdgate_live_requests", "pdgate_ttft_seconds", "pdgate_worker_up",
                  "pdgate_oldest_live_request_age_seconds", "pdgate_phase_duration_seconds"):
@@ -104,23 +104,23 @@ async def test_workers_api(procs: Procs, http: aiohttp.ClientSession, gateways: 
     p, d = procs.pair()
     d2 = procs.sim("decode")
     g = await gateway(gateways, [p], [d])
-    async with http.post(g.url + "/v1/workers", json={"role": "decode", "url": d2.url}) as r:
+    async with http.post(g.admin + "/v1/workers", json={"role": "decode", "url": d2.url}) as r:
         assert r.status == 201
         added = await r.json()
     assert added["healthy"] and added["identity"]
-    async with http.post(g.url + "/v1/workers", json={"role": "decode", "url": d2.url}) as r:
-        assert r.status == 400  # already registered
-    async with http.post(g.url + "/v1/workers", json={"role": "router", "url": d2.url}) as r:
+    async with http.post(g.admin + "/v1/workers", json={"role": "decode", "url": d2.url}) as r:
+        assert r.status == 409  # already registered
+    async with http.post(g.admin + "/v1/workers", json={"role": "router", "url": d2.url}) as r:
         assert r.status == 400
     for url, why in (("https://127.0.0.1:30000", "https:// workers are not supported"),
                      ("http://127.0.0.1:99999", "not a URL")):  # on cea4624: a 500, and a worker left behind
-        async with http.post(g.url + "/v1/workers", json={"role": "decode", "url": url}) as r:
+        async with http.post(g.admin + "/v1/workers", json={"role": "decode", "url": url}) as r:
             assert r.status == 400 and why in (await r.json())["error"]["message"], url
-    async with http.get(g.url + "/v1/workers") as r:
+    async with http.get(g.admin + "/v1/workers") as r:
         assert len((await r.json())["workers"]) == 3
-    async with http.delete(f"{g.url}/v1/workers/{added['id']}") as r:
+    async with http.delete(f"{g.admin}/v1/workers/{added['id']}") as r:
         assert r.status == 200
-    async with http.delete(f"{g.url}/v1/workers/{added['id']}") as r:
+    async with http.delete(f"{g.admin}/v1/workers/{added['id']}") as r:
         assert r.status == 404
     status, _, _ = await post(http, g, CHAT)
     assert status == 200

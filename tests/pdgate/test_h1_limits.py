@@ -507,6 +507,10 @@ async def huge_leg(g: Any, port: int) -> None:
 
     w = g.gw.pool.by_id["d0"]
     assert not w.healthy and "more than 1048576 bytes" in (w.last_error or ""), w.last_error
+    for _ in range(100):  # the health task's first check (the start's is the first failure) must be over too
+        if w.health_failures >= 2:
+            break
+        await asyncio.sleep(0.05)
     w.transition(State.UP, g.gw.now(), "test: let it serve")
     before = rss_mb()
     r, wr = await asyncio.open_connection("127.0.0.1", port)

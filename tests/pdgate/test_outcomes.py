@@ -32,7 +32,7 @@ async def gateway(gateways: list[Any], prefills: list[Sim], decodes: list[Sim], 
 
 
 async def trace(http: aiohttp.ClientSession, g: Running, rid: str) -> dict[str, Any]:
-    async with http.get(f"{g.url}/v1/requests/{rid}") as r:
+    async with http.get(f"{g.admin}/v1/requests/{rid}") as r:
         assert r.status == 200
         return dict(await r.json())
 
@@ -257,7 +257,7 @@ async def test_retried_then_completed(procs: Procs, http: aiohttp.ClientSession,
     for t in retried:
         assert t["attempts"][0]["prefill"] == bad and t["attempts"][1]["prefill"] != bad
         assert t["attempts"][0]["bootstrap_room"] != t["attempts"][1]["bootstrap_room"]
-    async with http.get(g.url + "/metrics") as r:
+    async with http.get(g.admin + "/metrics") as r:
         assert 'pdgate_retries_total{reason="500"}' in await r.text()
     await assert_clean(http, g.gw, [p_bad, p_ok, d])
 

@@ -168,7 +168,8 @@ def test_ctrl_c_on_pdgate_up_drains_before_the_workers_stop(procs: Procs, tmp_pa
     cluster = cluster_file(tmp_path, 1, 1)
     text = cluster.read_text().replace('role = "decode"', 'role = "decode"\nargs = ["--speed", "10"]')
     cluster.write_text(text)
-    up = procs.spawn([sys.executable, "-m", "pdgate", "up", "--cluster", str(cluster), "--port", str(port)],
+    up = procs.spawn([sys.executable, "-m", "pdgate", "up", "--cluster", str(cluster), "--port", str(port),
+                      "--admin-port", str(free_port()), "--admin-key-file", str(tmp_path / "admin.key")],
                      name="pdgate-up", new_session=True)
     gw = f"http://127.0.0.1:{port}"
     wait_http(gw + "/readiness", timeout=60, proc=up.popen)
@@ -209,14 +210,15 @@ async def test_trace_by_response_id_and_client_request_id(procs: Procs, http: ai
         t = await trace(http, g, ident)
         assert t["id"] == ours and t["client_request_id"] == "client-abc-1", ident
     for missing in (ours + ".2", ours + ".x", "client-abc-2"):
-        async with http.get(f"{g.url}/v1/requests/{missing}") as r:
+        async with http.get(f"{g.admin}/v1/requests/{missing}") as r:
             assert r.status == 404, missing
-    out = await asyncio.to_thread(_cli_trace, g.url, resp.id)
+    out = await asyncio.to_thread(_cli_trace, g.admin, resp.id)
     assert ours in out and "completed" in out
 
 
 def _cli_trace(url: str, ident: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "pdgate", "trace", ident, "--gateway", url], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "pdgate", "trace", ident, "--admin", url], cwd=ROOT,
+                          env={**os.environ, "COLUMNS": "200"},
                           capture_output=True, text=True, timeout=30)
     assert done.returncode == 0, done.stderr
     return done.stdout

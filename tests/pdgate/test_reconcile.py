@@ -43,7 +43,7 @@ async def test_exact_mode_aborts_orphans_and_without_it_they_stay(procs: Procs, 
     assert await gauge(http, p, INFLIGHT) == 3
     took = await wait_gauge(http, p, INFLIGHT, 0, within=FAST.interval_s + FAST.grace_s + 2)
     assert took <= FAST.interval_s + FAST.grace_s + 2
-    async with http.get(on.url + "/metrics") as r:
+    async with http.get(on.admin + "/metrics") as r:
         assert 'pdgate_reconcile_aborts_total{mode="exact",worker="p0"} 3.0' in await r.text()
     rec = list(on.gw.traces.finished.values())[-1]
     assert any(e[1] == "reconcile_abort" for e in rec.attempts[0].events)
@@ -94,7 +94,7 @@ async def test_count_mode_for_plain_sglang(procs: Procs, http: aiohttp.ClientSes
     await asyncio.sleep(0.6)
     assert await gauge(http, p, INFLIGHT) == 3
     await wait_gauge(http, p, INFLIGHT, 0, within=rc.interval_s * (rc.drift_checks + 1) + 0.5 + 2)
-    async with http.get(g.url + "/metrics") as r:
+    async with http.get(g.admin + "/metrics") as r:
         text = await r.text()
     assert 'pdgate_reconcile_aborts_total{mode="count",worker="p0"}' in text
     assert 'mode="exact"' not in text
@@ -107,7 +107,7 @@ async def test_gateway_killed_mid_load_is_cleaned_by_its_successor(procs: Procs,
     d = procs.sim("decode", "--fixes", "none", "--fault", "ack_loss=1", env=env)
     port = free_port()
     cfg = tmp_path / "a.toml"
-    cfg.write_text(f'[gateway]\nport = {port}\n[reconcile]\nenabled = false\n'
+    cfg.write_text(f'[gateway]\nport = {port}\nadmin_port = {free_port()}\n[reconcile]\nenabled = false\n'
                    f'[[prefill]]\nurl = "{p.url}"\nbootstrap_port = {p.bootstrap_port}\n[[decode]]\nurl = "{d.url}"\n')
     a = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg)], name="gateway-a")
     wait_http(f"http://127.0.0.1:{port}/readiness", proc=a.popen)
@@ -118,7 +118,7 @@ async def test_gateway_killed_mid_load_is_cleaned_by_its_successor(procs: Procs,
     b = await gateway(gateways, [p], [d], reconcile=FAST)
     took = await wait_gauge(http, p, INFLIGHT, 0, within=FAST.lease_s + FAST.interval_s + FAST.grace_s + 2)
     assert took >= FAST.lease_s - 0.5, "another instance's rids must wait for its lease to lapse"
-    async with http.get(b.url + "/v1/workers") as r:
+    async with http.get(b.admin + "/v1/workers") as r:
         assert r.status == 200
 
 
@@ -127,9 +127,9 @@ async def test_two_gateway_processes_never_abort_each_others_live_requests(
     p = procs.sim("prefill", "--fixes", "none")
     d = procs.sim("decode", "--fixes", "none", "--speed", "15")  # requests last ~2-3 s: longer than grace and lease
     rc = ReconcileConfig(interval_s=0.3, grace_s=0.5, lease_s=1.5)
-    pa, pb = free_port(), free_port()
+    pa, pb, a_admin = free_port(), free_port(), free_port()
     cfg = tmp_path / "a.toml"
-    cfg.write_text(f'[gateway]\nport = {pa}\npeers = ["http://127.0.0.1:{pb}"]\n'
+    cfg.write_text(f'[gateway]\nport = {pa}\nadmin_port = {a_admin}\npeers = ["http://127.0.0.1:{pb}"]\n'
                    f"[reconcile]\ninterval_s = 0.3\ngrace_s = 0.5\nlease_s = 1.5\n"
                    f'[[prefill]]\nurl = "{p.url}"\nbootstrap_port = {p.bootstrap_port}\n[[decode]]\nurl = "{d.url}"\n')
     a_proc = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg)], name="gateway-a")
@@ -141,7 +141,8 @@ async def test_two_gateway_processes_never_abort_each_others_live_requests(
     body = {**CHAT, "max_tokens": 30}
     results = await asyncio.gather(*(post_to(http, url, body) for url in (a_url, b.url) for _ in range(4)))
     assert [s for s, _ in results] == [200] * 8
-    for url, rid in [(a_url, r) for _, r in results[:4]] + [(b.url, r) for _, r in results[4:]]:
+    a_admin_url = f"http://127.0.0.1:{a_admin}"
+    for url, rid in [(a_admin_url, r) for _, r in results[:4]] + [(b.admin, r) for _, r in results[4:]]:
         async with http.get(f"{url}/v1/requests/{rid}") as r:
             t = await r.json()
         assert t["outcome"] == "completed" and len(t["attempts"]) == 1, t
@@ -156,7 +157,7 @@ async def test_two_gateway_processes_never_abort_each_others_live_requests(
     a_proc.stop(signal.SIGKILL)
     assert [s for s, _ in pinned] == [200, 200] and await gauge(http, p, INFLIGHT) == 2
     await wait_gauge(http, p, INFLIGHT, 0, within=rc.lease_s + rc.interval_s + rc.grace_s + 4.5)
-    async with http.get(b.url + "/metrics") as r:
+    async with http.get(b.admin + "/metrics") as r:
         assert 'pdgate_reconcile_aborts_total{mode="exact",worker="p0"}' in await r.text()
 
 

@@ -54,5 +54,5 @@ async def test_idle_connections_expire_without_a_failed_request(procs: Procs, ga
     up = g.gw.up().client
     opened = sum(pool.opened for pool, _ in up.pools.values())
     assert opened > 10, "uvicorn closed idle connections and new ones were made"
-    async with aiohttp.ClientSession() as http, http.get(g.url + "/metrics") as r:
+    async with aiohttp.ClientSession() as http, http.get(g.admin + "/metrics") as r:
         assert f"pdgate_upstream_stale_retries_total {float(up.stale_retries)}" in await r.text()

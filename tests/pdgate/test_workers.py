@@ -28,7 +28,7 @@ async def test_gray_failure_degrades_worker(procs: Procs, http: aiohttp.ClientSe
     while not await engine_requests(http, d_bad):
         await asyncio.sleep(0.05)
     await asyncio.sleep(1.8)
-    async with http.get(g.url + "/v1/workers") as r:
+    async with http.get(g.admin + "/v1/workers") as r:
         view = {w["id"]: w for w in (await r.json())["workers"]}
     results = await asyncio.gather(*(post(http, g, LONG_CHAT, {"x-pdgate-timeout": "3"}) for _ in range(4)))
     statuses = sorted(s for s, _, _ in results)
@@ -43,7 +43,7 @@ async def test_gray_failure_degrades_worker(procs: Procs, http: aiohttp.ClientSe
         assert not view[bad]["degraded"]
         assert statuses.count(504) >= 1, "without the mechanism round robin keeps sending to the stalled decode"
     stuck_id = next(iter(g.gw.traces.live))
-    async with http.post(f"{g.url}/v1/requests/{stuck_id}/abort") as r:
+    async with http.post(f"{g.admin}/v1/requests/{stuck_id}/abort") as r:
         assert r.status == 200
     status, out, _ = await stuck
     assert status == 499 and out["error"]["code"] == "request_aborted"
@@ -108,7 +108,7 @@ async def test_breaker_stops_sending_to_a_failing_prefill(procs: Procs, http: ai
     on_bad = 0
     for rid in rids:
         on_bad += sum(a["prefill"] == worker_id(g.gw, bad) for a in (await trace(http, g, rid))["attempts"])
-    async with http.get(g.url + "/v1/workers") as r:
+    async with http.get(g.admin + "/v1/workers") as r:
         states = {w["id"]: w["breaker"] for w in (await r.json())["workers"]}
     if breaker_on:
         assert on_bad == 2, on_bad

@@ -1,0 +1,283 @@
+"""The operator's endpoints: workers, requests, cluster. Served on the admin plane; a client key reads and aborts
+its own requests through the front door's copies of the request endpoints (``mine``).
+
+Every change an operator makes (register, remove, restart, abort) is audited: one line on the
+``pdgate.audit`` logger with who (the admin key's name, or the client key's), what, on what and the
+answer's status, and ``pdgate_admin_actions_total``. Keys are never logged, only their names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from h1lite.server import Request, Response, Stream, json_response
+from pdgate import health, protocol, traces
+from pdgate.auth import Admin, Tenant
+from pdgate.config import (
+    ConfigError,
+    WorkerSpec,
+    host_allowed,
+    parse_prefill_flag,
+    validate_worker,
+)
+from pdgate.errors import (
+    BadRequest,
+    Conflict,
+    Forbidden,
+    GatewayError,
+    NotFound,
+    Unauthorized,
+    WorkerUnreachable,
+    one_line,
+)
+from pdgate.gateway import Gateway
+from pdgate.record import Record
+from pdgate.scope import Cause, Reason
+
+if TYPE_CHECKING:
+    from pdgate.server import App
+
+audit_log = logging.getLogger("pdgate.audit")
+Handler = Callable[["App", Request], Awaitable[Response | Stream]]
+
+
+def actor(request: Request) -> str:
+    st = request.state
+    if isinstance(st, Admin):
+        return st.name
+    if isinstance(st, Tenant):
+        return f"client:{st.name}"
+    return "anonymous"
+
+
+def audit(app: App, request: Request, action: str, target: str, status: int, detail: str = "") -> None:
+    who = actor(request)
+    audit_log.info("audit actor=%s action=%s target=%s status=%d%s", who, action, target, status,
+                   f" {detail}" if detail else "")
+    app.gw.metrics.admin_actions.labels(who, action, str(status)).inc()
+
+
+def audited(action: str, handler: Handler) -> Handler:
+    """``handler`` with its outcome audited (also when it fails)."""
+
+    async def run(app: App, request: Request) -> Response | Stream:
+        target = target_of(request)
+        try:
+            resp = await handler(app, request)
+        except GatewayError as exc:
+            audit(app, request, action, target, exc.status, f"error={exc.code}")
+            raise
+        status = resp.status if isinstance(resp, Response) else 200
+        wid = resp.headers.get("x-pdgate-worker") if isinstance(resp, Response) else None
+        audit(app, request, action, f"{wid}={target}" if wid else target, status)
+        return resp
+
+    return run
+
+
+def target_of(request: Request) -> str:
+    """What an action is about: the id in the path, else the URL a registration names (one bounded line)."""
+    if "id" in request.match:
+        return one_line(request.match["id"], 100)
+    try:
+        body = orjson.loads(request.body)
+    except orjson.JSONDecodeError:
+        return "-"
+    url = body.get("url") if isinstance(body, dict) else None
+    return one_line(url, 100).replace(" ", "%20") if isinstance(url, str) else "-"
+
+
+def tenant_of(request: Request) -> Tenant | None:
+    """The client key of a front-door request for the request endpoints; None on the admin plane (sees all)."""
+    st = request.state
+    if isinstance(st, Admin):
+        return None
+    if isinstance(st, Tenant):
+        return st
+    # the front door without client keys: nobody can be told apart, so nobody reads requests here
+    if "authorization" in request.headers:
+        raise Forbidden("requests are read on the admin plane (no client keys are configured here)")
+    raise Unauthorized("reading requests here needs a client key (Authorization: Bearer <key>); operators use "
+                       "the admin plane")
+
+
+def visible(rec: Record | None, tenant: Tenant | None) -> Record | None:
+    """A record as a tenant may see it: its own, else as if absent (another's id is not confirmed either)."""
+    if rec is None or tenant is None:
+        return rec
+    return rec if rec.tenant == tenant.name else None
+
+
+# ---- workers ---------------------------------------------------------------------------------------
+async def list_workers(app: App, request: Request) -> Response:
+    gw = app.gw
+    now = gw.now()
+    return json_response({"workers": [w.view(now) for w in gw.pool.by_id.values()]})
+
+
+def registration(app: App, body: dict[str, Any]) -> WorkerSpec:
+    """The worker a ``POST /v1/workers`` body names, or a 400/409 saying why not."""
+    gw = app.gw
+    try:
+        role, url = body.get("role"), str(body.get("url", "")).rstrip("/")
+        if role == "prefill":
+            bport = body.get("bootstrap_port")
+            spec = parse_prefill_flag(url, None if bport is None else str(bport))
+        else:
+            spec = validate_worker(WorkerSpec(url=url, role=str(role)))
+    except (ConfigError, ValueError, TypeError) as exc:
+        raise BadRequest(str(exc)) from None
+    if not host_allowed(spec.host, app.worker_hosts):
+        raise BadRequest(f"worker host {spec.host} is not allowed (gateway.allowed_worker_hosts: "
+                         f"{', '.join(app.worker_hosts)})", param="url")
+    if len(gw.pool.by_id) >= gw.cfg.max_workers:
+        raise Conflict(f"the gateway has its max_workers of {gw.cfg.max_workers} workers")
+    for w in gw.pool.by_id.values():
+        if w.url == spec.url and w.role == spec.role:
+            raise Conflict(f"{spec.role} worker {spec.url} is already registered as {w.id}")
+    return spec
+
+
+async def add_worker(app: App, request: Request) -> Response:
+    """Register a worker, once it answers ``GET /health`` with 200: a registration that fails leaves nothing
+    behind, and every kind of failure reads the same (no port scanner, no echo of what answered)."""
+    gw = app.gw
+    spec = registration(app, await read_json(request))
+    timeout = gw.cfg.health.timeout_s
+    try:
+        status, _ = await gw.up().get(spec.url + protocol.HEALTH_PATH, timeout)
+    except Exception:  # refused, reset, timed out, garbage: all one answer
+        status = 0
+    if status != 200:
+        raise WorkerUnreachable(f"the {spec.role} worker at {spec.url} did not answer GET /health with 200 within "
+                                f"{timeout:g}s; nothing was registered")
+    w = gw.pool.add(spec)
+    app.start_health(w.id)
+    await health.check(gw, w)
+    resp = json_response(w.view(gw.now()), 201)
+    resp.headers["x-pdgate-worker"] = w.id
+    return resp
+
+
+async def remove_worker(app: App, request: Request) -> Response:
+    gw = app.gw
+    wid = request.match["id"]
+    if wid not in gw.pool.by_id:
+        raise NotFound(f"no worker {wid}")
+    w = gw.pool.remove(wid, gw.now())
+    task = app.health_tasks.pop(wid, None)
+    if task is not None:
+        task.cancel()
+    return json_response({"removed": wid, "url": w.url})
+
+
+async def restart_worker(app: App, request: Request) -> Response:
+    gw = app.gw
+    wid = request.match["id"]
+    w = gw.pool.by_id.get(wid)
+    if w is None:
+        raise NotFound(f"no worker {wid}")
+    owner = app.owner
+    if owner is None:
+        raise NotFound("this gateway does not run its workers (start it with `pdgate up` to restart them from here)")
+    child = await owner.restart_url(w.url)
+    await health.check(gw, w)
+    return json_response({"worker": w.view(gw.now()), "process": child})
+
+
+async def cluster(app: App, request: Request) -> Response:
+    owner = app.owner
+    if owner is None:
+        raise NotFound("this gateway does not run its workers")
+    return json_response({"processes": owner.view()})
+
+
+# ---- requests (the admin plane sees all; a client key, on the front door, its own) ----------------------
+async def list_requests(app: App, request: Request) -> Response:
+    gw = app.gw
+    tenant = tenant_of(request)
+    q = request.query
+    try:
+        min_age = float(q["min_age_s"]) if "min_age_s" in q else None
+    except ValueError:
+        raise BadRequest(f"min_age_s must be a number, got {q['min_age_s']!r}") from None
+    now = gw.now()
+    recs = [r for r in gw.traces.query(now, q.get("phase"), q.get("worker"), min_age) if visible(r, tenant)]
+    return json_response({"requests": [traces.summary(r, now) for r in recs], "count": len(recs)})
+
+
+async def get_request(app: App, request: Request) -> Response:
+    gw = app.gw
+    rec = visible(gw.traces.get(request.match["id"]), tenant_of(request))
+    if rec is None:
+        raise NotFound(f"no live or recent request {request.match['id']}")
+    engine = await engine_view(gw, rec) if rec.live else None
+    return json_response(traces.full(rec, gw.now(), engine))
+
+
+async def engine_view(gw: Gateway, rec: Record) -> dict[str, Any]:
+    """Where the engines hold this request (bootstrap / inflight / transfer / running), if they say."""
+    a = rec.attempt
+    if a is None:
+        return {}
+    out: dict[str, Any] = {}
+
+    async def one(wid: str) -> None:
+        w = gw.pool.by_id.get(wid)
+        if w is None or not w.has_extension:
+            return
+        try:
+            _, body = await gw.up().get_json(w.url + "/pdgate/v1/requests", 1.0)
+        except Exception:  # a trace must render whatever the engine does
+            out[wid] = {"queue": "unknown"}
+            return
+        hits = [r for r in (body or {}).get("requests", []) if r.get("rid") == a.rid]
+        out[wid] = hits[0] if hits else {"queue": None}
+
+    await asyncio.gather(one(a.prefill), one(a.decode))
+    return out
+
+
+async def abort_request(app: App, request: Request) -> Response:
+    gw = app.gw
+    asked = request.match["id"]
+    tenant = tenant_of(request)
+    rec = visible(gw.traces.get(asked), tenant)
+    if rec is None:
+        raise NotFound(f"no live request {asked}")
+    ctx = gw.live.get(rec.id)
+    if ctx is None:
+        return json_response({"id": rec.id, "aborted": False, "reason": "already finished"}, 409)
+    by = f"by its client ({tenant.name})" if tenant is not None else f"by an operator ({actor(request)})"
+    won = ctx.cancel(Reason(Cause.OPERATOR, detail=by))
+    return json_response({"id": rec.id, "aborted": won, **({} if won else {"reason": "already ending"})},
+                         200 if won else 409)
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    try:
+        body = orjson.loads(request.body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"invalid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object")
+    return body
+
+
+# (method, path, handler, audited action or None)
+ROUTES: list[tuple[str, str, Handler, str | None]] = [
+    ("GET", "/v1/workers", list_workers, None),
+    ("POST", "/v1/workers", add_worker, "worker.register"),
+    ("DELETE", "/v1/workers/{id}", remove_worker, "worker.remove"),
+    ("POST", "/v1/workers/{id}/restart", restart_worker, "worker.restart"),
+    ("GET", "/v1/cluster", cluster, None),
+    ("GET", "/v1/requests", list_requests, None),
+    ("GET", "/v1/requests/{id}", get_request, None),
+    ("POST", "/v1/requests/{id}/abort", abort_request, "request.abort"),
+]
+REQUEST_PATHS = ("/v1/requests", "/v1/requests/{id}", "/v1/requests/{id}/abort")  # on the front door too (own only)
