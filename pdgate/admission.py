@@ -1,7 +1,20 @@
-"""Admission: parse and validate the body, resolve the deadlines once, open the request's record."""
+"""Admission: parse and validate the body, resolve the deadlines once, open the request's record; then the
+gate (``Gate``): a pair with room at once, or a place in the queue until one frees, or an answer at once.
+
+The gate keeps the engines' queues short: each worker takes at most its capacity of our live requests
+(``Worker.limit``: the config's, or the engine's ``max_running_requests``, lowered for a while after its
+429/503). A request that finds no pair with room waits in the gateway's queue (``queueing.FairQueue``:
+priority, then weighted fair share across tenants, then earliest deadline), in phase ``queued``, where its
+deadline, its client leaving or a drain end it through its cancel scope like anywhere else, without an engine
+ever seeing it. A request that cannot reach its first token within its TTFT budget by the queue's measured
+drain rate (``queueing.Rates``) is answered at once (``Shed``: 503, or 429 for a tenant over its share), as is
+one that finds the queue full. When a slot frees, the next request in order gets that pair, reserved for it.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -10,11 +23,19 @@ import orjson
 from h1lite.server import Request
 from pdgate import deadlines, protocol, validation
 from pdgate.auth import Tenant
-from pdgate.errors import InvalidJSON, ModelNotFound
+from pdgate.config import PRIORITIES
+from pdgate.errors import InvalidField, InvalidJSON, ModelNotFound, NoHealthyPair, Shed
+from pdgate.policies import select_pair
+from pdgate.queueing import RANKS, Entry, FairQueue, Rates
 from pdgate.record import Record
 
 if TYPE_CHECKING:
     from pdgate.gateway import Gateway
+    from pdgate.proxy import Ctx
+    from pdgate.workers import Worker
+
+PRIORITY_HEADER = "x-pdgate-priority"
+Pair = tuple["Worker", "Worker"]
 
 
 def admit(gw: Gateway, request: Request, route: str) -> tuple[Record, dict[str, Any]]:
@@ -43,10 +64,136 @@ def admit(gw: Gateway, request: Request, route: str) -> tuple[Record, dict[str, 
     body.pop(protocol.RID, None)
     rec = Record(id=gw.new_id(), route=route, model=model, stream=stream, created=now, created_wall=time.time(),
                  deadlines=dl, client_request_id=request.headers.get("x-request-id"), body_bytes=len(raw))
+    rec.priority = priority(request, tenant)
     if tenant is not None:
-        rec.tenant, rec.priority = tenant.name, tenant.priority
+        rec.tenant = tenant.name
         if tenant.tokens is not None:
             rec.estimate = len(raw) // 4  # about four bytes of JSON per prompt token; settled at the end
             tenant.charge(rec.estimate, now)
     gw.traces.add(rec)
     return rec, body
+
+
+def priority(request: Request, tenant: Tenant | None) -> str:
+    """The request's class: ``x-pdgate-priority`` if given, never above its key's class (without a key: normal)."""
+    top = tenant.priority if tenant is not None else "normal"
+    asked = request.headers.get(PRIORITY_HEADER)
+    if asked is None:
+        return top
+    asked = asked.strip().lower()
+    if asked not in PRIORITIES:
+        raise InvalidField(f"header {PRIORITY_HEADER} must be one of {', '.join(PRIORITIES)}, got {asked!r}",
+                           param=PRIORITY_HEADER)
+    return asked if RANKS[asked] >= RANKS[top] else top
+
+
+def first_due(rec: Record) -> float:
+    """When its first token is due at the latest (its TTFT budget, or its total one if that ends first)."""
+    return min(rec.deadlines.ttft_at, rec.deadlines.total_at)
+
+
+class Gate:
+    """Pairs with room, handed out in the queue's order (module docstring)."""
+
+    def __init__(self, gw: Gateway) -> None:
+        self.gw = gw
+        self.cfg = gw.cfg.admission
+        self.queue = FairQueue()
+        self.rates = Rates(self.cfg.window_s)
+
+    def pick(self, avoid: frozenset[int]) -> Pair | None:
+        gw = self.gw
+        now = gw.now()
+        return select_pair(gw.pool.with_room("prefill", now), gw.pool.with_room("decode", now), gw.prefill_policy,
+                           gw.decode_policy, avoid)
+
+    async def acquire(self, ctx: Ctx, avoid: frozenset[int], retry: bool) -> Pair:
+        """A pair for the next attempt: at once when one has room and nobody waits before, else after queueing."""
+        gw = self.gw
+        now = gw.now()
+        if not self.cfg.enabled:
+            pair = select_pair(gw.pool.available("prefill", now), gw.pool.available("decode", now),
+                               gw.prefill_policy, gw.decode_policy, avoid)
+            if pair is None:
+                raise NoHealthyPair("no healthy prefill+decode pair is available")
+            return pair
+        if not gw.pool.ready(now):  # nothing to wait for: no healthy pair at all
+            raise NoHealthyPair("no healthy prefill+decode pair is available")
+        rec = ctx.rec
+        rank = RANKS["retry"] if retry else RANKS[rec.priority]
+        if not self.queue.n or retry:
+            pair = self.pick(avoid)
+            if pair is not None:
+                return pair
+        tenant = ctx.request.state if isinstance(ctx.request.state, Tenant) else None
+        name, weight = (tenant.name, tenant.key.weight) if tenant is not None else ("", 1.0)
+        if not retry:
+            self.refuse_early(rec, rank, name, weight, now)
+        fut: asyncio.Future[Pair] = asyncio.get_running_loop().create_future()
+        e = Entry(rank, name, first_due(rec), weight, (fut, avoid))
+        self.queue.push(e)
+        gw.metrics.queued += 1
+        try:
+            pair = await fut
+        except BaseException:  # its deadline, its client, a drain: it leaves the queue now, no engine saw it
+            self.queue.remove(e)
+            if fut.done() and not fut.cancelled():  # granted a pair just before: the slot goes to the next one
+                for w in fut.result():
+                    w.reserved -= 1
+                self.pump()
+            raise
+        finally:
+            gw.metrics.queue_wait.observe(gw.now() - now)
+        for w in pair:  # bound by the caller before anything else runs
+            w.reserved -= 1
+        return pair
+
+    def refuse_early(self, rec: Record, rank: int, tenant: str, weight: float, now: float) -> None:
+        """Answer now what the queue could only answer late: full, or a first token the budget cannot reach."""
+        q, cfg = self.queue, self.cfg
+        over = q.over_share(tenant, weight)
+        status = 429 if over else 503
+        rate = self.rates.drain_rate(now)
+        if q.n >= cfg.max_queue:
+            wait = q.n / rate if rate else 1.0
+            self.shed(rec, "queue_full", status, wait, f"the gateway's queue is full ({q.n} requests wait)"
+                      + (" and this key holds more than its share of it" if over else ""))
+        due = first_due(rec)
+        if cfg.shed:
+            expect = self.rates.wait_s(q.ahead_of(rank, tenant, due, weight), now)
+            if expect is not None and rate is not None and now + expect > due:
+                wait = expect
+                budget = min(rec.deadlines.ttft_s, rec.deadlines.total_s)
+                self.shed(rec, "deadline_unmeetable", status, wait,
+                          f"the first token would come in about {wait:.2f}s (queue of {q.n} draining at {rate:.1f}/s), "
+                          f"past this request's ttft budget of {budget:g}s" + (
+                              "; this key holds more than its share of the queue" if over else ""))
+
+    def shed(self, rec: Record, code: str, status: int, wait: float, message: str) -> None:
+        self.gw.metrics.shed(code, rec.tenant or "")
+        raise Shed(message, code=code, status=status, retry_after_s=max(1, math.ceil(wait)))
+
+    def free(self, counted: bool) -> None:
+        """A slot freed (``counted``: a request's attempt ended, which is what the drain rate measures)."""
+        if counted and self.queue.n:
+            self.rates.free(self.gw.now())
+        self.pump()
+
+    def pump(self) -> None:
+        """Hand the pairs with room to the requests first in order, reserved until they bind."""
+        q = self.queue
+        while q.n:
+            e = q.peek()
+            assert e is not None
+            fut, avoid = e.item
+            if fut.done():  # its waiter is ending: it leaves the queue in its own finally
+                q.remove(e)
+                continue
+            pair = self.pick(avoid)
+            if pair is None:
+                return
+            q.pop()
+            for w in pair:
+                w.reserved += 1
+            fut.set_result(pair)
+

@@ -18,7 +18,6 @@ from h1lite.client import header_lines
 from h1lite.server import ClientGone
 from pdgate import protocol, validation
 from pdgate.errors import NoHealthyPair, UpstreamError, UpstreamStatus, WorkerLost, detail_of
-from pdgate.policies import select_pair
 from pdgate.record import Attempt, Phase
 from pdgate.relay import relay_stream
 from pdgate.scope import Cancelled, Cause, Reason, Scope
@@ -62,14 +61,14 @@ async def dispatch(ctx: Ctx) -> bytes:
     avoid: set[int] = set()
     last: UpstreamError | None = None
     for n in range(1, gw.cfg.max_attempts + 1):
-        now = gw.now()
-        pair = select_pair(gw.pool.available("prefill", now), gw.pool.available("decode", now),
-                           gw.prefill_policy, gw.decode_policy, frozenset(avoid))
-        if pair is None:
+        try:
+            pw, dw = await gw.gate.acquire(ctx, frozenset(avoid), retry=n > 1)  # at once, or after the queue
+        except NoHealthyPair:
             if last is not None:
-                raise last
-            raise NoHealthyPair("no healthy prefill+decode pair is available")
-        pw, dw = pair
+                raise last from None
+            raise
+        now = gw.now()
+        rec.dispatched_at = now
         att = Attempt(n=n, rid=f"{rec.id}.{n}", prefill=pw.id, decode=dw.id, room=random.getrandbits(63))
         rec.attempts.append(att)
         gw.move(rec, Phase.DISPATCHED)
@@ -89,6 +88,7 @@ async def dispatch(ctx: Ctx) -> bytes:
         finally:
             pw.unbind(bind)
             dw.unbind(bind)
+            gw.gate.free(counted=True)
     assert last is not None
     raise last
 
@@ -162,10 +162,11 @@ async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: B
     now = gw.now()
     att.event(now, "prefill_done", status)
     if status != 200:
-        raise leg_status(w, status, body, now)
+        raise leg_status(w, status, body, now, gw.cfg.admission.engine_backoff_s)
     w.success(now)
     w.progress(now)
     w.unbind(bind)  # its part is done: it no longer holds this request (load, stall and restart checks)
+    gw.gate.free(counted=False)  # its slot may go to a queued request
     if not ctx.rec.stream:  # non-streaming: the prefill computed the first token; a stream's is decode's first event
         ctx.first_token(now)
     return body
@@ -179,7 +180,7 @@ async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, headers:
             now = gw.now()
             att.event(now, "decode_headers", status)
             if status != 200:
-                raise leg_status(w, status, body, now)
+                raise leg_status(w, status, body, now, gw.cfg.admission.engine_backoff_s)
             att.event(now, "decode_done")
             ctx.first_token(now)
             w.progress(now)
@@ -188,7 +189,7 @@ async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, headers:
         async with gw.up().post(w.url, ctx.route, payload, headers) as resp:
             att.event(gw.now(), "decode_headers", resp.status)
             if resp.status != 200:
-                raise leg_status(w, resp.status, await resp.read(), gw.now())
+                raise leg_status(w, resp.status, await resp.read(), gw.now(), gw.cfg.admission.engine_backoff_s)
             await relay_stream(ctx, att, w, resp)
             w.success(gw.now())
             return b""
@@ -207,8 +208,10 @@ def leg_failed(gw: Gateway, w: Worker, exc: Exception) -> UpstreamError:
     return err
 
 
-def leg_status(w: Worker, status: int, body: bytes, now: float) -> UpstreamStatus:
+def leg_status(w: Worker, status: int, body: bytes, now: float, backoff_s: float = 0.0) -> UpstreamStatus:
     detail = detail_of(body)
+    if status in (429, 503) and backoff_s:  # the engine says it is full: no more than it holds, for a while
+        w.cut_until = now + backoff_s
     err = UpstreamStatus(f"{w.role} worker {w.id} answered {status}: {detail}", role=w.role, worker=w.id,
                          upstream_status=status, detail=detail)
     if err.retryable:

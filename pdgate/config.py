@@ -74,6 +74,18 @@ class ReconcileConfig:
 
 
 @dataclass(frozen=True)
+class AdmissionConfig:
+    """A gateway queue in front of the engines (README "Admission control")."""
+
+    enabled: bool = True
+    capacity: int = 0  # live requests of ours per worker; 0: what the engine reports (max_running_requests), else no cap
+    max_queue: int = 1024  # requests waiting for room; beyond: 503 queue_full (429 for a tenant over its share)
+    shed: bool = True  # answer at once a request that cannot reach its first token within its TTFT budget
+    window_s: float = 10.0  # the queue's drain rate is measured over this
+    engine_backoff_s: float = 5.0  # after an engine's 429/503, it gets no more requests than it holds, this long
+
+
+@dataclass(frozen=True)
 class KeyConfig:
     """A client key: its name is the tenant; the key itself is kept only as ``sha256:<hex>``."""
 
@@ -87,6 +99,7 @@ class KeyConfig:
     max_ttft_s: float | None = None
     max_idle_s: float | None = None
     priority: str = "normal"  # high | normal | low
+    weight: float = 1.0  # its share of the queue against other tenants of the same priority (weighted fair queuing)
 
 
 @dataclass(frozen=True)
@@ -151,6 +164,7 @@ class GatewayConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     peers: tuple[str, ...] = ()  # URLs of other gateways in front of the same workers (their leases are read)
     prefill: tuple[WorkerSpec, ...] = ()
     decode: tuple[WorkerSpec, ...] = ()
@@ -197,6 +211,11 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
     for f in dataclasses.fields(cfg.reconcile):
         if f.name != "enabled":
             _positive(f"reconcile.{f.name}", getattr(cfg.reconcile, f.name), integer=f.name in ("drift_checks", "recent_rids"))
+    a = cfg.admission
+    _positive("admission.capacity", a.capacity, integer=True, allow_zero=True)
+    _positive("admission.max_queue", a.max_queue, integer=True)
+    _positive("admission.window_s", a.window_s)
+    _positive("admission.engine_backoff_s", a.engine_backoff_s, allow_zero=True)
     _positive("breaker.failures", cfg.breaker.failures, integer=True)
     _positive("breaker.cooldown_s", cfg.breaker.cooldown_s)
     for role in ("prefill", "decode"):
@@ -252,6 +271,8 @@ def _validate_access(cfg: GatewayConfig) -> None:
         for f in ("max_total_s", "max_ttft_s", "max_idle_s"):
             if getattr(k, f) is not None:
                 _positive(f"keys[{i}].{f}", getattr(k, f))
+        if isinstance(k, KeyConfig):
+            _positive(f"keys[{i}].weight", k.weight)
     for entry in cfg.allowed_worker_hosts or ():
         if not isinstance(entry, str) or not entry or (entry != "*" and "/" in entry and _network(entry) is None):
             raise ConfigError("gateway.allowed_worker_hosts", entry, "a host name, an IP, a CIDR (10.0.0.0/8) or *")
@@ -331,6 +352,7 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
         "health": _build(HealthConfig, data.pop("health", {}), "health."),
         "breaker": _build(BreakerConfig, data.pop("breaker", {}), "breaker."),
         "reconcile": _build(ReconcileConfig, data.pop("reconcile", {}), "reconcile."),
+        "admission": _build(AdmissionConfig, data.pop("admission", {}), "admission."),
         "models": {m: _build(Budgets, v, f"models.{m}.") for m, v in data.pop("models", {}).items()},
     }
     for role in ("prefill", "decode"):

@@ -11,6 +11,7 @@
     │   └── ModelNotFound              404 model_not_found
     ├── Conflict                       409 conflict (a worker registered twice, the worker limit)
     ├── RateLimited                    429 rate_limit_exceeded (Retry-After; type names the limit)
+    ├── Shed                           503 | 429 deadline_unmeetable | queue_full (Retry-After; admission control)
     ├── PayloadTooLarge                413 payload_too_large
     ├── NoHealthyPair                  503 no_healthy_pair
     ├── WorkerUnreachable              502 worker_unreachable (a registration whose /health did not answer 200)
@@ -89,6 +90,20 @@ class RateLimited(GatewayError):
         super().__init__(message)
         self.limit = limit
         self.type = "tokens" if limit == "tokens" else "requests"
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+
+class Shed(GatewayError):
+    """Answered at once by admission control: the queue is full, or the first token cannot come within the TTFT
+    budget. 503 when the gateway is saturated, 429 when the tenant holds more than its share of the queue."""
+
+    type = "service_unavailable"
+
+    def __init__(self, message: str, *, code: str, status: int, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.code, self.status = code, status
+        if status == 429:
+            self.type = "requests"
         self.headers = {"Retry-After": str(retry_after_s)}
 
 

@@ -12,6 +12,7 @@ from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
 from pdgate import auth, policies
+from pdgate.admission import Gate
 from pdgate.config import GatewayConfig
 from pdgate.metrics import Metrics, worker_families
 from pdgate.record import Attempt, Observer, Phase, Record, transition
@@ -31,7 +32,7 @@ class Gateway:
         self.cfg = cfg
         self.instance = cfg.instance_id or secrets.token_hex(4)
         self._seq = itertools.count(1)
-        self.pool = Pool(cfg.breaker, frozenset(cfg.models), (self._on_worker,))
+        self.pool = Pool(cfg.breaker, frozenset(cfg.models), (self._on_worker,), cfg.admission.capacity)
         self.traces = Traces(cfg.trace_ring)
         self.metrics = Metrics(self.traces.live_phases)
         self.observers: tuple[Observer, ...] = (self.metrics.on_transition,)
@@ -44,6 +45,8 @@ class Gateway:
         # recently ended (worker id, rid, time), bounded: count-mode reconciliation re-aborts these
         self.recent: deque[tuple[str, str, float]] = deque(maxlen=cfg.reconcile.recent_rids)
         self.clock = time.monotonic
+        self.gate = Gate(self)  # admission control: pairs with room, or the queue
+        self.metrics.queue_depth = lambda: self.gate.queue.n
         self.tenants = auth.tenants(cfg.keys, cfg.deadlines, self.clock)  # None: an open front door
         self.admins = auth.admins(cfg.admin_keys)  # None: an open admin plane (loopback only)
         for spec in (*cfg.prefill, *cfg.decode):
@@ -71,6 +74,8 @@ class Gateway:
             log.warning("worker %s: %s", w.id, cause)
         else:
             log.info("worker %s %s -> %s: %s", w.id, frm.value, to.value, cause)
+        if to is State.UP:
+            self.gate.pump()  # room may have come back
 
     def now(self) -> float:
         return self.clock()

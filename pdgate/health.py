@@ -53,6 +53,7 @@ async def check(gw: Gateway, w: Worker) -> None:
         on_failed_check(gw, w)
     w.checked = True
     check_progress(gw, w)
+    gw.gate.pump()  # its capacity, its backoff or its state may have changed
 
 
 async def ext_info(gw: Gateway, w: Worker, timeout_s: float) -> dict[str, Any]:
@@ -88,6 +89,8 @@ def on_up(gw: Gateway, w: Worker, info: dict[str, Any]) -> None:
     served = info.get("served_model_name") or info.get("model_path")
     gw.pool.set_models(w, (served,) if isinstance(served, str) else ())
     w.has_extension = info.get("pdgate_engine") is not None
+    cap = info.get("max_running_requests")  # SGLang's resolved server arg (the sim reports its own)
+    w.engine_capacity = cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else None
     w.health_failures, w.last_error = 0, None
     now = gw.now()
     if restarted:

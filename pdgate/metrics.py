@@ -84,6 +84,11 @@ class Metrics:
         self.tenant_finished: dict[tuple[str, str], int] = {}  # (tenant, outcome) -> count
         self.tenant_tok: dict[tuple[str, str], int] = {}  # (tenant, prompt|completion) -> tokens
         self.rejected: dict[tuple[str, str], int] = {}  # (tenant, reason) -> count
+        # admission control
+        self.queued = 0  # requests that waited in the gateway's queue
+        self.queue_wait = Hist()
+        self.sheds: dict[tuple[str, str], int] = {}  # (reason, tenant) -> count
+        self.queue_depth: Callable[[], int] = lambda: 0
         self.admin_actions = Counter("pdgate_admin_actions", "Admin-plane actions by actor (admin key name), action "
                                      "and HTTP status", ["actor", "action", "status"], registry=r)
         self.add_collector(self._request_families)
@@ -110,6 +115,9 @@ class Metrics:
             for kind, n in (("prompt", prompt), ("completion", completion)):
                 self.tenant_tok[(tenant, kind)] = self.tenant_tok.get((tenant, kind), 0) + n
 
+    def shed(self, reason: str, tenant: str) -> None:
+        self.sheds[(reason, tenant)] = self.sheds.get((reason, tenant), 0) + 1
+
     def reject(self, tenant: str, reason: str) -> None:
         """A request refused before admission: ``reason`` is unauthenticated, forbidden, concurrency, requests
         or tokens (tenant ``unknown`` when no valid key came)."""
@@ -130,7 +138,17 @@ class Metrics:
         yield hist_family("pdgate_ttft_seconds", "Admission to first token", [], {(): self.ttft_hist})
         yield hist_family("pdgate_e2e_seconds", "Admission to terminal outcome", ["outcome"],
                           {(k,): h for k, h in sorted(self.e2e_hist.items())})
+        depth = GaugeMetricFamily("pdgate_queue_depth", "Requests waiting in the gateway's admission queue")
+        depth.add_metric([], float(self.queue_depth()))
+        yield depth
+        queued = CounterMetricFamily("pdgate_queued", "Requests that waited in the admission queue")
+        queued.add_metric([], float(self.queued))
+        yield queued
+        yield hist_family("pdgate_queue_wait_seconds", "Time spent waiting in the admission queue", [],
+                          {(): self.queue_wait})
         tables: tuple[tuple[str, str, list[str], dict[tuple[str, str], int]], ...] = (
+                ("pdgate_shed", "Requests answered at once by admission control, by reason and tenant",
+                 ["reason", "tenant"], self.sheds),
                 ("pdgate_tenant_requests", "Finished requests by tenant (client key name) and outcome",
                  ["tenant", "outcome"], self.tenant_finished),
                 ("pdgate_tenant_tokens", "Tokens by tenant and kind (prompt, completion)", ["tenant", "kind"],

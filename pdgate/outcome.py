@@ -95,4 +95,4 @@ def respond_error(ctx: Ctx, exc: GatewayError) -> Response | Stream:
         if not ctx.resp.proto.closed:
             ctx.resp.send(sse_error_event(exc))
         return ctx.resp
-    return Response(error_json(exc), exc.status, headers={"x-request-id": ctx.rec.id})
+    return Response(error_json(exc), exc.status, headers={**(exc.headers or {}), "x-request-id": ctx.rec.id})

@@ -50,6 +50,8 @@ class Ctx:
             rec.attempts[-1].first_token = True
         if rec.first_token_at is None:
             rec.first_token_at = now
+            if rec.dispatched_at is not None:
+                self.gw.gate.rates.first_token(now - rec.dispatched_at)
             self.watchdog.rearm()  # the budget due next is now idle (streams) or total, not TTFT
         if rec.phase in (Phase.PREFILL, Phase.TRANSFER):
             self.gw.move(rec, Phase.DECODE)

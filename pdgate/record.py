@@ -123,6 +123,7 @@ class Record:
     cause: str | None = None  # why it ended early (scope.Cause value: deadline, drain, client_gone, ...)
     tenant: str | None = None  # the client key's name (None: an open front door)
     priority: str = "normal"  # the key's priority class
+    dispatched_at: float | None = None  # its latest attempt's start (admission's first-token estimate)
     estimate: int = 0  # prompt tokens charged to the key's tokens_per_min at admission (settled at the end)
 
     def __post_init__(self) -> None:

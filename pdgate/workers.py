@@ -126,6 +126,11 @@ class Worker:
     info_path: bool | None = None  # offers /pdgate/v1/info (None: not asked yet)
     orphans: int = 0  # engine-held rids found orphaned in the last reconcile pass (exact mode)
     drift: int = 0  # engine count above our live count (count mode)
+    # admission: how many of our live requests it may hold (None: no cap), set by config or by the engine
+    configured_capacity: int | None = None
+    engine_capacity: int | None = None  # the engine's max_running_requests (/server_info)
+    reserved: int = 0  # slots handed to queued requests that have not bound yet
+    cut_until: float = 0.0  # after its 429/503: no more than it holds until then
 
     @property
     def role(self) -> str:
@@ -137,7 +142,24 @@ class Worker:
 
     @property
     def load(self) -> int:
-        return len(self.bound)
+        return len(self.bound) + self.reserved
+
+    @property
+    def capacity(self) -> int | None:
+        return self.configured_capacity or self.engine_capacity
+
+    def limit(self, now: float) -> int | None:
+        """How many of our requests it may hold now: its capacity, lowered to what it holds (at least one) for a
+        while after the engine said 429/503."""
+        cap = self.capacity
+        if now < self.cut_until:
+            held = max(1, self.load)
+            return held if cap is None else min(cap, held)
+        return cap
+
+    def has_room(self, now: float) -> bool:
+        lim = self.limit(now)
+        return lim is None or self.load < lim
 
     @property
     def healthy(self) -> bool:
@@ -217,7 +239,7 @@ class Worker:
             "degraded": self.degraded, "breaker": self.breaker.state.value, "identity": self.identity, "restarts": self.restarts,
             "load": self.load, "stalled_s": round(self.stalled_for(now), 3), "fixes": self.fixes,
             "models": list(self.models), "last_error": self.last_error, "engine": self.engine,
-            "orphans": self.orphans, "drift": self.drift,
+            "orphans": self.orphans, "drift": self.drift, "capacity": self.limit(now),
         }
 
 
@@ -225,8 +247,9 @@ class Pool:
     """All workers by id, with per-role lists kept for the hot path."""
 
     def __init__(self, breaker: BreakerConfig, configured_models: frozenset[str] = frozenset(),
-                 observers: tuple[WorkerObserver, ...] = ()) -> None:
+                 observers: tuple[WorkerObserver, ...] = (), capacity: int | None = None) -> None:
         self._breaker = breaker
+        self._capacity = capacity or None
         self.observers = observers
         self._configured = configured_models
         self._models = configured_models  # served models, kept current: read on every admission
@@ -241,7 +264,7 @@ class Pool:
                 raise ValueError(f"{spec.role} worker {spec.url} is already registered as {w.id}")
         wid = f"{spec.role[0]}{self._seq[spec.role]}"
         self._seq[spec.role] += 1
-        w = Worker(wid, spec, CircuitBreaker(self._breaker), self.observers)
+        w = Worker(wid, spec, CircuitBreaker(self._breaker), self.observers, configured_capacity=self._capacity)
         self.by_id[wid] = w
         getattr(self, spec.role).append(w)
         return w
@@ -263,6 +286,10 @@ class Pool:
 
     def available(self, role: str, now: float) -> list[Worker]:
         return [w for w in getattr(self, role) if w.available(now)]
+
+    def with_room(self, role: str, now: float) -> list[Worker]:
+        """Available workers that may take one more of our requests (admission control)."""
+        return [w for w in getattr(self, role) if w.available(now) and w.has_room(now)]
 
     def ready(self, now: float) -> bool:
         return bool(self.available("prefill", now)) and bool(self.available("decode", now))

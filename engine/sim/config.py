@@ -44,6 +44,7 @@ FAULTS: dict[str, Any] = {
     "bootstrap_loss": _flag,
     "ack_loss": _flag,
     "http_500_rate": _rate,
+    "queue_full_rate": _rate,  # this fraction of generation requests gets SGLang's 503 "The request queue is full"
     "slow_prefill": _seconds,
     "slow_accept": _seconds,
     "slow_first_token": _seconds,  # decode: the first token leaves this long after the KV (and the prefill's answer)
@@ -136,6 +137,7 @@ class SimConfig:
     unsafe_kernel: bool = False
     disconnect_notice_s: float = 4.0
     extension: bool = True  # serve GET /pdgate/v1/requests (off: look like plain SGLang)
+    max_running_requests: int = 1024  # reported in /server_info as SGLang does (gateways read it as a capacity)
     api_key: str | None = None  # SGLang's --api-key: every route but /health*, /ready*, /metrics wants it
 
     @classmethod
@@ -171,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-buffer-mb", type=int, default=64, help="nixl: registered DRAM buffer per worker")
     p.add_argument("--no-extension", action="store_true",
                    help="do not serve GET /pdgate/v1/requests nor the pdgate fields of /server_info (like plain SGLang)")
+    p.add_argument("--max-running-requests", type=int, default=1024,
+                   help="reported in /server_info as SGLang's resolved server arg (a gateway's capacity hint)")
     p.add_argument("--api-key", default=os.environ.get("SIM_API_KEY") or None,
                    help="as SGLang's --api-key: Authorization: Bearer <key> required (env SIM_API_KEY)")
     p.add_argument("--log-level", default="INFO")
@@ -195,6 +199,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_buffer_bytes=args.kv_buffer_mb * 1024 * 1024,
         extension=not args.no_extension,
         api_key=args.api_key,
+        max_running_requests=args.max_running_requests,
     )
     for item in args.fault:
         name, sep, value = item.partition("=")

@@ -223,6 +223,8 @@ def generate_handler(engine: Engine, route: str) -> Handler:
                                   f"is longer than the model's context length ({cfg.max_context} tokens).")
             if cfg.faults.http_500_rate and random.random() < cfg.faults.http_500_rate:
                 raise EngineError(500, "fault http_500_rate: injected internal error")
+            if cfg.faults.queue_full_rate and random.random() < cfg.faults.queue_full_rate:
+                raise EngineError(503, "The request queue is full.")
         except EngineError as exc:
             return error(exc.status, exc.message, exc.kind)
         model = str(body.get("model") or cfg.model)
@@ -321,7 +323,8 @@ def _server_info(engine: Engine) -> dict[str, Any]:
     args = {"model_path": cfg.model, "served_model_name": cfg.model, "host": cfg.host, "port": cfg.port,
             "disaggregation_mode": cfg.role, "disaggregation_bootstrap_port": cfg.bootstrap_port,
             "disaggregation_transfer_backend": cfg.transfer_backend, "context_length": cfg.max_context,
-            "tp_size": 1, "dp_size": 1, "pp_size": 1, "load_balance_method": "round_robin"}
+            "tp_size": 1, "dp_size": 1, "pp_size": 1, "load_balance_method": "round_robin",
+            "max_running_requests": cfg.max_running_requests}
     info = {**args, "version": "0.5.23-sim", "scheduler_info": {"max_total_num_tokens": cfg.kv_budget_tokens},
             "internal_states": [{"last_gen_throughput": 0.0, "memory_usage": {}}]}
     if cfg.extension:

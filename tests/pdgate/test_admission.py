@@ -1,0 +1,244 @@
+"""Admission control (issue 15): capacity per worker, the gateway's queue (priority, fair share, deadline),
+deadline-aware shedding, queued deadlines, the engines' own signals. Real sims, the real gateway on loopback.
+
+The prefill sim runs at ``--speed 50``: its forwards are serialised at about 0.2 s each, so a pair serves
+about 5 requests/s however many it is sent (what an engine's queue does to everyone's TTFT)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from pdgate.config import AdmissionConfig, KeyConfig, hash_key
+from pdgate.queueing import RANKS, Entry, FairQueue, Rates
+from tests.pdgate.harness import Running, make_config, start_gateway
+from tests.procs import Procs, Sim
+
+HIGH, NORM, A, B = "pdg-sk-high-key", "pdg-sk-normal-key", "pdg-sk-tenant-a", "pdg-sk-tenant-b"
+KEYS = (KeyConfig("hi", hash_key(HIGH), priority="high"), KeyConfig("norm", hash_key(NORM)),
+        KeyConfig("a", hash_key(A)), KeyConfig("b", hash_key(B)))
+
+
+def chat(max_tokens: int = 2, text: str = "say hi") -> dict[str, Any]:
+    return {"model": "sim-model", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens}
+
+
+async def gateway(gateways: list[Any], p: Sim, d: Sim, **admission: Any) -> Running:
+    g = await start_gateway(make_config([p], [d], keys=KEYS, admission=AdmissionConfig(**admission)))
+    gateways.append(g)
+    return g
+
+
+async def post(http: aiohttp.ClientSession, g: Running, key: str, body: dict[str, Any],
+               **headers: str) -> tuple[int, dict[str, Any], float, Any]:
+    t0 = time.monotonic()
+    hdrs = {"Authorization": f"Bearer {key}", **{k.replace("_", "-"): v for k, v in headers.items()}}
+    async with http.post(g.url + "/v1/chat/completions", json=body, headers=hdrs) as r:
+        out = await r.json()
+        return r.status, out, time.monotonic() - t0, r.headers  # case-insensitive
+
+
+def sims(procs: Procs, *prefill: str) -> tuple[Sim, Sim]:
+    return procs.sim("prefill", "--speed", "50", *prefill), procs.sim("decode", "--speed", "1")
+
+
+# ---- the queue's order, without a loop ------------------------------------------------------------------
+def test_priority_then_deadline_then_fair_share() -> None:
+    q = FairQueue()
+    for rank, tenant, deadline in ((2, "x", 1.0), (1, "x", 9.0), (1, "x", 5.0), (0, "y", 50.0), (-1, "z", 99.0)):
+        q.push(Entry(rank, tenant, deadline))
+    assert [(e.rank, e.deadline) for e in iter(q.pop, None)] == [(-1, 99.0), (0, 50.0), (1, 5.0), (1, 9.0), (2, 1.0)]
+    for i in range(6):
+        q.push(Entry(1, "burst", float(i)))
+    for i in range(2):
+        q.push(Entry(1, "light", 100.0 + i, weight=1.0))
+    order = [e.tenant for e in iter(q.pop, None)]
+    assert order[:4] == ["burst", "light", "burst", "light"], order  # a later deadline, yet served in turn
+    # weight 2 gets two turns for one; a tenant that was idle banks no credit
+    for i in range(4):
+        q.push(Entry(1, "heavy", float(i), weight=2.0))
+        q.push(Entry(1, "plain", float(i)))
+    assert [e.tenant for e in iter(q.pop, None)][:6].count("heavy") == 4
+    for i in range(3):
+        q.push(Entry(1, "plain", float(i)))
+    q.push(Entry(1, "heavy", 0.5, weight=2.0))
+    assert q.pop().tenant == "heavy" or q.pop().tenant == "heavy"
+
+
+def test_estimates_and_shares() -> None:
+    r = Rates(window_s=10)
+    assert r.wait_s(3, 0.0) is None, "nothing measured yet: no estimate, no shedding"
+    for i in range(10):
+        r.free(i * 0.2)
+    r.first_token(0.3)
+    assert r.drain_rate(2.0) == pytest.approx(5.0) and r.wait_s(4, 2.0) == pytest.approx(1.3)
+    q = FairQueue()
+    for i in range(8):
+        q.push(Entry(1, "a", float(i)))
+    assert q.over_share("a", 1.0) is False, "alone in the queue: the gateway is saturated, not the tenant"
+    q.push(Entry(1, "b", 0.0))
+    assert q.over_share("a", 1.0) and not q.over_share("b", 1.0)
+    assert q.ahead_of(1, "b", 100.0) == 1 + 2, "b waits for its own one and two of a's turns, not all eight"
+    assert q.ahead_of(RANKS["high"], "c", 100.0) == 0
+
+
+# ---- real sims -----------------------------------------------------------------------------------------
+async def test_queue_order_is_priority_then_deadline(procs: Procs, http: aiohttp.ClientSession,
+                                                     gateways: list[Any]) -> None:
+    p, d = sims(procs)
+    g = await gateway(gateways, p, d, capacity=1)
+    blocker = asyncio.create_task(post(http, g, NORM, chat(300)))  # holds the pair ~1.4 s
+    await asyncio.sleep(0.4)
+    sent = []
+    for key, prio, ttft in ((NORM, "low", "20"), (NORM, "normal", "10"), (NORM, "normal", "5"), (HIGH, "high", "20")):
+        sent.append(asyncio.create_task(post(http, g, key, chat(), x_pdgate_priority=prio, x_pdgate_ttft_timeout=ttft)))
+        await asyncio.sleep(0.05)
+    assert g.gw.gate.queue.n == 4, "all four wait: the pair is full"
+    results = await asyncio.gather(blocker, *sent)
+    assert [r[0] for r in results] == [200] * 5
+    recs = {r[3]["x-request-id"]: g.gw.traces.get(r[3]["x-request-id"]) for r in results[1:]}
+    order = sorted(recs, key=lambda i: recs[i].dispatched_at)  # type: ignore[union-attr]
+    names = {results[i + 1][3]["x-request-id"]: n for i, n in enumerate(("low", "normal-10", "normal-5", "high"))}
+    assert [names[i] for i in order] == ["high", "normal-5", "normal-10", "low"]
+    for rec in recs.values():
+        assert rec is not None and rec.history[0][1] == "queued" and rec.history[1][0] - rec.created > 0.3
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+async def test_a_burst_does_not_delay_another_tenant_beyond_its_share(procs: Procs, http: aiohttp.ClientSession,
+                                                                      gateways: list[Any], enabled: bool) -> None:
+    p, d = sims(procs)
+    g = await gateway(gateways, p, d, capacity=1, enabled=enabled)
+    burst = [asyncio.create_task(post(http, g, A, chat(1, f"a{i}"))) for i in range(10)]
+    await asyncio.sleep(0.1)
+    light = [asyncio.create_task(post(http, g, B, chat(1, f"b{i}"))) for i in range(3)]
+    done = await asyncio.gather(*burst, *light)
+    assert all(r[0] == 200 for r in done)
+    firsts = sorted((g.gw.traces.get(r[3]["x-request-id"]).first_token_at, who)  # type: ignore[union-attr]
+                    for r, who in zip(done, ["a"] * 10 + ["b"] * 3, strict=True))
+    b_places = [i + 1 for i, (_, who) in enumerate(firsts) if who == "b"]
+    if enabled:
+        assert max(b_places) <= 8, f"b is served in turn with the burst: places {b_places} of 13"
+    else:  # the mechanism off: the engine's own queue is first come, first served
+        assert min(b_places) >= 10, f"without admission b waits behind the whole burst: places {b_places}"
+
+
+async def engine_waiting(http: aiohttp.ClientSession, sim: Sim) -> int:
+    async with http.get(sim.url + "/pdgate/v1/requests") as r:
+        held = (await r.json())["requests"]
+    return len(held)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+async def test_overload_is_shed_at_once_instead_of_timing_out_late(procs: Procs, http: aiohttp.ClientSession,
+                                                                   gateways: list[Any], enabled: bool) -> None:
+    """15 requests/s offered to a pair that serves 5, every one with a 1 s TTFT budget. With admission:
+    every answer within its budget, the ones that cannot make it answered at once (503 deadline_unmeetable),
+    the engine holding one at a time. Off: the engine's queue grows and requests wait out their budget."""
+    p, d = sims(procs)
+    g = await gateway(gateways, p, d, capacity=1, enabled=enabled)
+    # warm-up: a short burst, so the queue's drain rate is measured
+    warm = await asyncio.gather(*(post(http, g, NORM, chat(1)) for _ in range(8)))
+    assert all(r[0] == 200 for r in warm)
+    results: list[tuple[int, dict[str, Any], float, Any]] = []
+    peak = 0
+
+    async def sample() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, await engine_waiting(http, p))
+            await asyncio.sleep(0.05)
+
+    sampler = asyncio.create_task(sample())
+
+    async def one() -> None:
+        results.append(await post(http, g, NORM, chat(1), x_pdgate_ttft_timeout="1"))
+
+    tasks = []
+    for _ in range(36):  # 2.4 s at 15/s
+        tasks.append(asyncio.create_task(one()))
+        await asyncio.sleep(1 / 15)
+    await asyncio.gather(*tasks)
+    sampler.cancel()
+    codes = [r[1].get("error", {}).get("code") if r[0] != 200 else "ok" for r in results]
+    late = [r for r in results if r[2] > 1.15]
+    if not enabled:
+        assert codes.count("deadline_exceeded") >= 12 and peak >= 4, (codes, peak)
+        assert all(r[2] >= 0.95 for r in results if r[0] == 504), "each one waited out its whole budget"
+        return
+    assert late == [], f"every answer within its budget: {[(r[0], round(r[2], 3)) for r in late]}"
+    shed = [r for r in results if r[0] == 503 and r[1]["error"]["code"] == "deadline_unmeetable"]
+    assert len(shed) >= 10 and codes.count("ok") >= 8, codes
+    waits = sorted(r[2] for r in shed)
+    assert waits[len(waits) // 2] < 0.05, f"shed answers come at once: median {waits[len(waits) // 2]:.3f}s"
+    assert all(int(r[3]["Retry-After"]) >= 1 for r in shed)
+    assert peak <= 1, f"the engine never holds more than its capacity: {peak}"
+    async with http.get(g.admin + "/metrics") as r:
+        text = await r.text()
+    assert f'pdgate_shed_total{{reason="deadline_unmeetable",tenant="norm"}} {len(shed)}.0' in text
+
+
+async def test_a_queued_request_ends_at_its_deadline_without_touching_an_engine(
+        procs: Procs, http: aiohttp.ClientSession, gateways: list[Any]) -> None:
+    p, d = sims(procs)
+    g = await gateway(gateways, p, d, capacity=1, shed=False)
+    blocker = asyncio.create_task(post(http, g, NORM, chat(300)))
+    await asyncio.sleep(0.4)
+    status, body, took, headers = await post(http, g, NORM, chat(), x_pdgate_ttft_timeout="0.5")
+    assert status == 504 and body["error"]["code"] == "deadline_exceeded" and "phase queued" in body["error"]["message"]
+    assert 0.45 <= took <= 0.65, took
+    rec = g.gw.traces.get(headers["x-request-id"])
+    assert rec is not None and rec.attempts == [] and [h[1] for h in rec.history] == ["queued", "deadline_exceeded"]
+    assert g.gw.gate.queue.n == 0, "it left the queue"
+    assert (await blocker)[0] == 200
+
+
+async def test_queue_full_and_tenant_share(procs: Procs, http: aiohttp.ClientSession, gateways: list[Any]) -> None:
+    p, d = sims(procs)
+    g = await gateway(gateways, p, d, capacity=1, max_queue=4, shed=False)
+    blocker = asyncio.create_task(post(http, g, A, chat(300)))
+    await asyncio.sleep(0.4)
+    a_waiting = [asyncio.create_task(post(http, g, A, chat())) for _ in range(3)]
+    await asyncio.sleep(0.1)
+    b_one = asyncio.create_task(post(http, g, B, chat()))
+    await asyncio.sleep(0.1)
+    status, body, took, headers = await post(http, g, A, chat())
+    assert status == 429 and body["error"]["code"] == "queue_full" and "more than its share" in body["error"]["message"]
+    assert took < 0.1 and int(headers["Retry-After"]) >= 1
+    assert [r[0] for r in await asyncio.gather(blocker, b_one, *a_waiting)] == [200] * 5
+
+
+async def test_an_engine_that_says_it_is_full_gets_no_more_than_it_holds(procs: Procs, http: aiohttp.ClientSession,
+                                                                           gateways: list[Any]) -> None:
+    p = procs.sim("prefill")
+    d = procs.sim("decode", "--max-running-requests", "64", "--fault", "queue_full_rate=1")
+    g = await gateway(gateways, p, d, engine_backoff_s=1.0)
+    w = g.gw.pool.by_id["d0"]
+    assert w.capacity == 64, "read from the engine's /server_info"
+    status, _, _, _ = await post(http, g, NORM, chat())
+    assert status == 502
+    assert w.limit(g.gw.now()) == 1, "after its 503: no more than it holds (at least one)"
+    async with http.post(d.url + "/pdgate/v1/faults", json={"queue_full_rate": 0}) as r:
+        assert r.status == 200
+    results = await asyncio.gather(*(post(http, g, NORM, chat()) for _ in range(3)))
+    assert [r[0] for r in results] == [200] * 3 and g.gw.metrics.queued >= 2, "one at a time while it recovers"
+    await asyncio.sleep(1.1)
+    assert w.limit(g.gw.now()) == 64
+
+
+async def test_drain_answers_queued_requests(procs: Procs, http: aiohttp.ClientSession, gateways: list[Any]) -> None:
+    p, d = sims(procs)
+    g = await gateway(gateways, p, d, capacity=1)
+    blocker = asyncio.create_task(post(http, g, NORM, chat(300)))
+    await asyncio.sleep(0.4)
+    queued = asyncio.create_task(post(http, g, NORM, chat()))
+    await asyncio.sleep(0.1)
+    assert g.gw.gate.queue.n == 1
+    g.gw.drain("test")
+    status, body, _, _ = await queued
+    assert status == 503 and body["error"]["code"] == "gateway_draining" and "phase queued" in body["error"]["message"]
+    await blocker
