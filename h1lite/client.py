@@ -506,6 +506,12 @@ class Client:
         """``async with client.send(...) as resp:``: the response, released on exit."""
         return Exchange(self, base, method, target, body, headers)
 
+    def drop(self, base: str) -> None:
+        """Close and forget the pool of one origin (an engine removed, or one that was never added)."""
+        hit = self.pools.pop(base, None)
+        if hit is not None:
+            hit[0].close()
+
     def close(self) -> None:
         for pool, _ in self.pools.values():
             pool.close()

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import orjson
 
@@ -33,7 +35,6 @@ from pdgate.errors import (
     NotFound,
     Unauthorized,
     WorkerUnreachable,
-    one_line,
 )
 from pdgate.gateway import Gateway
 from pdgate.record import Record
@@ -83,13 +84,13 @@ def audited(action: str, handler: Handler) -> Handler:
 def target_of(request: Request) -> str:
     """What an action is about: the id in the path, else the URL a registration names (one bounded line)."""
     if "id" in request.match:
-        return one_line(request.match["id"], 100)
+        return quote(request.match["id"], safe="")[:100]  # one token: nothing in it can forge the line
     try:
         body = orjson.loads(request.body)
     except orjson.JSONDecodeError:
         return "-"
     url = body.get("url") if isinstance(body, dict) else None
-    return one_line(url, 100).replace(" ", "%20") if isinstance(url, str) else "-"
+    return quote(url, safe=":/[]")[:100] if isinstance(url, str) else "-"
 
 
 def tenant_of(request: Request) -> Tenant | None:
@@ -121,7 +122,8 @@ async def list_workers(app: App, request: Request) -> Response:
 
 
 def registration(app: App, body: dict[str, Any]) -> WorkerSpec:
-    """The worker a ``POST /v1/workers`` body names, or a 400/409 saying why not."""
+    """The worker a ``POST /v1/workers`` body names (its URL in one canonical spelling), or a 400/409 saying why
+    not. Registrations in progress count against the limit and the duplicate check."""
     gw = app.gw
     try:
         role, url = body.get("role"), str(body.get("url", "")).rstrip("/")
@@ -135,28 +137,56 @@ def registration(app: App, body: dict[str, Any]) -> WorkerSpec:
     if not host_allowed(spec.host, app.worker_hosts):
         raise BadRequest(f"worker host {spec.host} is not allowed (gateway.allowed_worker_hosts: "
                          f"{', '.join(app.worker_hosts)})", param="url")
-    if len(gw.pool.by_id) >= gw.cfg.max_workers:
+    if spec.url in app.own_urls():
+        raise BadRequest(f"{spec.url} is this gateway itself", param="url")
+    if len(gw.pool.by_id) + len(app.registering) >= gw.cfg.max_workers:
         raise Conflict(f"the gateway has its max_workers of {gw.cfg.max_workers} workers")
     for w in gw.pool.by_id.values():
         if w.url == spec.url and w.role == spec.role:
             raise Conflict(f"{spec.role} worker {spec.url} is already registered as {w.id}")
+    if (spec.role, spec.url) in app.registering:
+        raise Conflict(f"{spec.role} worker {spec.url} is being registered")
     return spec
 
 
-async def add_worker(app: App, request: Request) -> Response:
-    """Register a worker, once it answers ``GET /health`` with 200: a registration that fails leaves nothing
-    behind, and every kind of failure reads the same (no port scanner, no echo of what answered)."""
-    gw = app.gw
-    spec = registration(app, await read_json(request))
+async def probe(gw: Gateway, spec: WorkerSpec) -> bool:
+    """Whether ``spec`` answers as an SGLang worker of its role: ``/health`` 200, and ``/server_info`` naming
+    the same disaggregation mode (a decode registered as a prefill, or anything else, is refused)."""
     timeout = gw.cfg.health.timeout_s
     try:
-        status, _ = await gw.up().get(spec.url + protocol.HEALTH_PATH, timeout)
+        async with asyncio.timeout(timeout):  # both calls within the one bound
+            status, _ = await gw.up().get(spec.url + protocol.HEALTH_PATH, timeout)
+            if status != 200:
+                return False
+            status, info = await gw.up().get_json(spec.url + protocol.SERVER_INFO_PATH, timeout)
     except Exception:  # refused, reset, timed out, garbage: all one answer
-        status = 0
-    if status != 200:
-        raise WorkerUnreachable(f"the {spec.role} worker at {spec.url} did not answer GET /health with 200 within "
-                                f"{timeout:g}s; nothing was registered")
-    w = gw.pool.add(spec)
+        return False
+    mode = info.get("disaggregation_mode") if isinstance(info, dict) else None
+    return status == 200 and mode == spec.role
+
+
+async def add_worker(app: App, request: Request) -> Response:
+    """Register a worker once it answers as one: a registration that fails leaves nothing behind, and every
+    kind of failure reads the same, after the same time (no port scanner, no echo of what answered)."""
+    gw = app.gw
+    spec = registration(app, await read_json(request))
+    started = time.monotonic()
+    app.registering.add((spec.role, spec.url))
+    try:
+        ok = await probe(gw, spec)
+    finally:
+        app.registering.discard((spec.role, spec.url))
+    if not ok:
+        if not any(w.url == spec.url for w in gw.pool.by_id.values()):
+            gw.up().client.drop(spec.url)
+        timeout = gw.cfg.health.timeout_s
+        await asyncio.sleep(max(0.0, timeout - (time.monotonic() - started)))  # as long as the slowest failure
+        raise WorkerUnreachable(f"the {spec.role} worker at {spec.url} did not answer GET /health and /server_info "
+                                f"as an SGLang {spec.role} worker within {timeout:g}s; nothing was registered")
+    try:
+        w = gw.pool.add(spec)
+    except ValueError as exc:  # registered meanwhile by another call
+        raise Conflict(str(exc)) from None
     app.start_health(w.id)
     await health.check(gw, w)
     resp = json_response(w.view(gw.now()), 201)
@@ -173,6 +203,8 @@ async def remove_worker(app: App, request: Request) -> Response:
     task = app.health_tasks.pop(wid, None)
     if task is not None:
         task.cancel()
+    if not any(o.url == w.url for o in gw.pool.by_id.values()):
+        gw.up().client.drop(w.url)  # its connections go with it
     return json_response({"removed": wid, "url": w.url})
 
 
@@ -213,7 +245,8 @@ async def list_requests(app: App, request: Request) -> Response:
 
 async def get_request(app: App, request: Request) -> Response:
     gw = app.gw
-    rec = visible(gw.traces.get(request.match["id"]), tenant_of(request))
+    tenant = tenant_of(request)
+    rec = visible(gw.traces.get(request.match["id"], tenant.name if tenant else None), tenant)
     if rec is None:
         raise NotFound(f"no live or recent request {request.match['id']}")
     engine = await engine_view(gw, rec) if rec.live else None
@@ -247,7 +280,7 @@ async def abort_request(app: App, request: Request) -> Response:
     gw = app.gw
     asked = request.match["id"]
     tenant = tenant_of(request)
-    rec = visible(gw.traces.get(asked), tenant)
+    rec = visible(gw.traces.get(asked, tenant.name if tenant else None), tenant)
     if rec is None:
         raise NotFound(f"no live request {asked}")
     ctx = gw.live.get(rec.id)
@@ -260,6 +293,9 @@ async def abort_request(app: App, request: Request) -> Response:
 
 
 async def read_json(request: Request) -> dict[str, Any]:
+    ctype = request.headers.get("content-type", "")
+    if not ctype.split(";", 1)[0].strip().lower() == "application/json":  # a form a web page can post is not JSON
+        raise BadRequest("the body must be sent as Content-Type: application/json")
     try:
         body = orjson.loads(request.body)
     except orjson.JSONDecodeError as exc:

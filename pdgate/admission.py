@@ -68,10 +68,25 @@ def admit(gw: Gateway, request: Request, route: str) -> tuple[Record, dict[str, 
     if tenant is not None:
         rec.tenant = tenant.name
         if tenant.tokens is not None:
-            rec.estimate = len(raw) // 4  # about four bytes of JSON per prompt token; settled at the end
+            # what it may use, charged now (so a burst cannot all pass on one minute's allowance), settled at the
+            # end: about four bytes of JSON per prompt token, and the completion tokens it asks for
+            rec.estimate = len(raw) // 4 + asked_tokens(body)
             tenant.charge(rec.estimate, now)
     gw.traces.add(rec)
     return rec, body
+
+
+DEFAULT_COMPLETION = 128  # SGLang's default max_new_tokens
+
+
+def asked_tokens(body: dict[str, Any]) -> int:
+    """The completion tokens a request asks for at most (OpenAI's and SGLang's field names)."""
+    sp = body.get("sampling_params")
+    for v in (body.get("max_completion_tokens"), body.get("max_tokens"),
+              sp.get("max_new_tokens") if isinstance(sp, dict) else None):
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            return v
+    return DEFAULT_COMPLETION
 
 
 def priority(request: Request, tenant: Tenant | None) -> str:
@@ -132,11 +147,13 @@ class Gate:
         fut: asyncio.Future[Pair] = asyncio.get_running_loop().create_future()
         e = Entry(rank, name, first_due(rec), weight, (fut, avoid))
         self.queue.push(e)
+        self.rates.waiting(now, True)
         gw.metrics.queued += 1
         try:
             pair = await fut
         except BaseException:  # its deadline, its client, a drain: it leaves the queue now, no engine saw it
             self.queue.remove(e)
+            self.rates.waiting(gw.now(), self.queue.n > 0)
             if fut.done() and not fut.cancelled():  # granted a pair just before: the slot goes to the next one
                 for w in fut.result():
                     w.reserved -= 1
@@ -178,6 +195,7 @@ class Gate:
         if counted and self.queue.n:
             self.rates.free(self.gw.now())
         self.pump()
+        self.rates.waiting(self.gw.now(), self.queue.n > 0)
 
     def pump(self) -> None:
         """Hand the pairs with room to the requests first in order, reserved until they bind."""

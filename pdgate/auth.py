@@ -113,8 +113,18 @@ class Tenant:
         self.tokens = Bucket(key.tokens_per_min, now) if key.tokens_per_min else None
         self.deadlines = capped(deadlines, key)
 
+    def count(self, now: float) -> None:
+        """One request against requests_per_min (any endpoint), or ``RateLimited``."""
+        if self.requests is not None:
+            wait = self.requests.wait(1.0, now)
+            if wait > 0:
+                raise RateLimited(f"key '{self.name}' has reached its requests_per_min of {self.key.requests_per_min}; "
+                                  f"try again in {retry_after(wait)}s", limit="requests", retry_after_s=retry_after(wait))
+            self.requests.take(1.0, now)
+
     def admit(self, now: float) -> None:
-        """Count one more request against the limits, or raise ``RateLimited`` (nothing is counted then)."""
+        """Count one more generation request against the limits, or raise ``RateLimited`` (nothing is counted
+        then)."""
         k = self.key
         if k.max_concurrent is not None and self.live >= k.max_concurrent:
             raise RateLimited(f"key '{self.name}' has reached its max_concurrent of {k.max_concurrent} live requests",

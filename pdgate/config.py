@@ -22,6 +22,7 @@ POLICIES = ("round_robin", "least_loaded", "power_of_two")
 PRIORITIES = ("high", "normal", "low")  # a key's priority class (admission control orders its queue by it)
 KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # a tenant's name: a metric label, a log field
 KEY_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
+RESERVED_NAMES = frozenset({"anonymous", "unknown", "local"})  # what the audit log and metrics say for no key
 
 
 class ConfigError(ValueError):
@@ -252,6 +253,9 @@ def _validate_access(cfg: GatewayConfig) -> None:
     for section, i, k in every:
         if not isinstance(k.name, str) or not KEY_NAME.match(k.name):
             raise ConfigError(f"{section}[{i}].name", k.name, "must be 1-64 of A-Z a-z 0-9 _ . - (it is a metric label)")
+        if k.name in RESERVED_NAMES:
+            raise ConfigError(f"{section}[{i}].name", k.name, f"is reserved ({', '.join(sorted(RESERVED_NAMES))} "
+                              "name requests without a key in logs and metrics)")
         if not isinstance(k.hash, str) or not KEY_HASH.match(k.hash):
             raise ConfigError(f"{section}[{i}].hash", "<hidden>", "must be sha256:<64 hex digits> "
                               "(`pdgate keys new` makes a key and its hash)")
@@ -328,8 +332,13 @@ def validate_worker(w: WorkerSpec, key: str = "worker") -> WorkerSpec:
         raise ConfigError(f"{key}.url", w.url, "must be http://host:port")
     if u.port == 0:
         raise ConfigError(f"{key}.url", w.url, "port 0 is not a worker's port")
-    if u.username is not None or u.password is not None or u.query or u.fragment or u.path not in ("", "/"):
+    if (u.username is not None or u.password is not None or u.query or u.fragment or u.path not in ("", "/")
+            or "?" in w.url or "#" in w.url or any(c.isspace() or not c.isprintable() for c in w.url)):
         raise ConfigError(f"{key}.url", w.url, "must be http://host:port only (no credentials, path or query)")
+    host = u.hostname.lower()
+    canonical = f"http://{'[' + host + ']' if ':' in host else host}:{u.port or 80}"
+    if canonical != w.url:  # one engine, one spelling: the duplicate check compares these
+        w = dataclasses.replace(w, url=canonical)
     if w.bootstrap_port is not None and not (isinstance(w.bootstrap_port, int) and 0 < w.bootstrap_port < 65536):
         raise ConfigError(f"{key}.bootstrap_port", w.bootstrap_port, "must be a TCP port")
     return w
@@ -339,7 +348,9 @@ def _build(cls: Any, data: dict[str, Any], prefix: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
-            raise ConfigError(f"{prefix}{key}", data[key], f"unknown key (known: {', '.join(sorted(names))})")
+            # an entry of a key table may hold a secret where a hash belongs: never printed back
+            shown = "<hidden>" if cls in (KeyConfig, AdminKey) else data[key]
+            raise ConfigError(f"{prefix}{key}", shown, f"unknown key (known: {', '.join(sorted(names))})")
     return cls(**data)
 
 

@@ -43,6 +43,9 @@ async def check(gw: Gateway, w: Worker) -> None:
                 info = {**info, **await ext_info(gw, w, cfg.timeout_s)}
             _, loads = await gw.up().get_json(w.url + protocol.LOADS_PATH + "?include=disagg", cfg.timeout_s)
             w.engine = _engine_counts(loads)
+            held = sum(v for k, v in w.engine.items() if k in ("num_running_reqs", "num_waiting_reqs")
+                       and isinstance(v, int))
+            w.foreign = max(0, held - len(w.bound)) if "num_running_reqs" in w.engine else 0
         elif w.last_error is None or not w.last_error.startswith("/server_info"):
             w.last_error = f"/health answered {status}"
     except OSError as exc:

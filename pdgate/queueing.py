@@ -16,7 +16,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,29 +143,49 @@ class FairQueue:
 
 
 class Rates:
-    """Slots freed per second over ``window_s``, and an EWMA of dispatch -> first token."""
+    """How fast the queue drains and how long a dispatched request takes to its first token.
 
-    def __init__(self, window_s: float, alpha: float = 0.2) -> None:
-        self.window_s = window_s
-        self.freed: deque[float] = deque(maxlen=4096)
+    The drain rate is measured only while requests wait (the pair saturated): an EWMA of the intervals
+    between slots freed with the queue non-empty at both ends. Slots freed with nobody waiting say how fast
+    requests came, not how fast the engines serve, and would make the estimate pessimistic (more shedding,
+    an emptier queue, idle engines)."""
+
+    MIN_SAMPLES = 5
+
+    def __init__(self, window_s: float, alpha: float = 0.1) -> None:
+        self.window_s = window_s  # an estimate older than this (no saturated interval since) is not used
         self.alpha = alpha
+        self.interval: float | None = None  # EWMA of seconds between slots freed while saturated
+        self.samples = 0
+        self.last: float | None = None  # the last slot freed while requests waited
+        self.busy_since: float | None = None  # since when requests wait (None: nobody waits)
         self.ttft: float | None = None
 
+    def waiting(self, now: float, anyone: bool) -> None:
+        """Whether requests wait, told as the queue fills and empties."""
+        if anyone and self.busy_since is None:
+            self.busy_since = now
+        elif not anyone:
+            self.busy_since = None
+
     def free(self, now: float) -> None:
-        self.freed.append(now)
+        """A slot freed while requests wait."""
+        if self.last is not None and self.busy_since is not None and self.last >= self.busy_since:
+            gap = now - self.last
+            self.interval = gap if self.interval is None else self.interval + self.alpha * (gap - self.interval)
+            self.samples += 1
+        self.last = now
 
     def drain_rate(self, now: float) -> float | None:
-        """Slots freed per second in the last window (None: fewer than 5 seen, nothing to go by yet)."""
-        f = self.freed
-        while f and now - f[0] > self.window_s:
-            f.popleft()
-        if len(f) < 5:
+        """Slots freed per second while saturated (None: not measured enough, or not lately)."""
+        if self.interval is None or self.samples < self.MIN_SAMPLES or self.last is None:
             return None
-        span = max(now - f[0], 1e-3)
-        return len(f) / span
+        if now - self.last > self.window_s:
+            return None
+        return 1.0 / max(self.interval, 1e-4)
 
     def first_token(self, seconds: float) -> None:
-        self.ttft = seconds if self.ttft is None else self.ttft + self.alpha * (seconds - self.ttft)
+        self.ttft = seconds if self.ttft is None else self.ttft + 0.2 * (seconds - self.ttft)
 
     def wait_s(self, ahead: int, now: float) -> float | None:
         """Expected seconds from now to a first token for a request with ``ahead`` before it (None: unknown)."""

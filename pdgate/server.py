@@ -117,6 +117,12 @@ def client_keys(app: App) -> Middleware:
                                    "invalid API key")  # the key itself is never echoed
             request.state = tenant
             if path not in GENERATION:
+                if path.startswith("/v1/requests"):  # reading its requests costs engine calls too: counted
+                    try:
+                        tenant.count(clock())
+                    except RateLimited as exc:
+                        metrics.reject(tenant.name, exc.limit)
+                        raise
                 return await nxt(request)
             try:
                 tenant.admit(clock())
@@ -133,13 +139,33 @@ def client_keys(app: App) -> Middleware:
     return wrap
 
 
+def from_a_browser(request: Request, admin_host: str) -> str | None:
+    """Why a request to an open admin plane may come from a web page rather than an operator's tool (None: it
+    does not look like it). Without a key, loopback alone does not keep out a page in the operator's browser:
+    a cross-site form or fetch carries an Origin (or Sec-Fetch-Site), and DNS rebinding a foreign Host."""
+    h = request.headers
+    host = h.get("host", "localhost").lower()
+    name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
+    if name.strip("[]") not in ("localhost", "127.0.0.1", "::1", admin_host.lower()):
+        return f"Host {one_line(host, 60)!r} is not this admin plane's"
+    if "origin" in h or h.get("sec-fetch-site", "none") not in ("none", "same-origin"):
+        return "a request from a web page"
+    return None
+
+
 def admin_keys(app: App) -> Middleware:
-    """Admin plane: the admin key when one is configured (401 without, 403 with any other); else open."""
+    """Admin plane: the admin key when one is configured (401 without, 403 with any other); else open, to the
+    operator's own tools only (``from_a_browser``)."""
     keys = app.gw.admins
+    admin_host = app.cfg.admin_host
 
     def wrap(nxt: Dispatch) -> Dispatch:
         async def run(request: Request) -> Response | Stream:
             if keys is None:
+                why = from_a_browser(request, admin_host)
+                if why is not None:
+                    admin.audit(app, request, "denied", one_line(f"{request.method}:{request.path}", 100), 403)
+                    raise Forbidden(f"refused: {why} (an admin plane without an admin key answers local tools only)")
                 request.state = LOCAL
                 return await nxt(request)
             token = bearer(request.headers)
@@ -178,6 +204,7 @@ class App:
         self.reconciler = reconcile.Reconciler(self.gw)
         self.rec_task: asyncio.Task[None] | None = None
         self.worker_hosts = worker_hosts_allowed(cfg)
+        self.registering: set[tuple[str, str]] = set()  # (role, url) of registrations being probed
         self.router = front = Router()
         for route in GENERATION:
             front.add("POST", route, functools.partial(self.generate, route))
@@ -213,6 +240,11 @@ class App:
         for t in sorted(self.gw.tenants.values() if self.gw.tenants else (), key=lambda t: t.name):
             live.add_metric([t.name], float(t.live))
         yield live
+
+    def own_urls(self) -> set[str]:
+        """This gateway's own listeners, as worker URLs would spell them (never registered as a worker)."""
+        ports = {self.server.port} | ({self.admin.port} if not self.cfg.admin_socket else set())
+        return {f"http://{h}:{p}" for p in ports for h in ("127.0.0.1", "localhost", "[::1]", self.cfg.host)}
 
     @property
     def admin_url(self) -> str:

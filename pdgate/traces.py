@@ -13,12 +13,17 @@ class Traces:
         self.live: dict[str, Record] = {}
         self.finished: OrderedDict[str, Record] = OrderedDict()
         self._ring = ring_size
-        self.by_client: dict[str, str] = {}  # a client's own x-request-id -> our id (live and ring only)
+        # a client's own x-request-id -> our id (live and ring only): per tenant (one tenant's ids never shadow
+        # another's), and the latest of any tenant for the admin plane
+        self.by_client: dict[tuple[str, str], str] = {}
+        self.by_client_any: dict[str, str] = {}
 
     def add(self, rec: Record) -> None:
         self.live[rec.id] = rec
-        if rec.client_request_id is not None:
-            self.by_client[rec.client_request_id] = rec.id
+        cid = rec.client_request_id
+        if cid is not None:
+            self.by_client[(rec.tenant or "", cid)] = rec.id
+            self.by_client_any[cid] = rec.id
 
     def finish(self, rec: Record) -> None:
         self.live.pop(rec.id, None)
@@ -26,15 +31,20 @@ class Traces:
         while len(self.finished) > self._ring:
             _, old = self.finished.popitem(last=False)
             cid = old.client_request_id
-            if cid is not None and self.by_client.get(cid) == old.id:
-                del self.by_client[cid]
+            if cid is not None:
+                key = (old.tenant or "", cid)
+                if self.by_client.get(key) == old.id:
+                    del self.by_client[key]
+                if self.by_client_any.get(cid) == old.id:
+                    del self.by_client_any[cid]
 
     def _one(self, rid: str) -> Record | None:
         return self.live.get(rid) or self.finished.get(rid)
 
-    def get(self, ident: str) -> Record | None:
+    def get(self, ident: str, tenant: str | None = None) -> Record | None:
         """A live or recent record by our request id, by one of its attempts' rids (``<id>.<n>``: the
-        OpenAI SDK's ``response.id``), or by the client's own ``x-request-id`` (its latest request)."""
+        OpenAI SDK's ``response.id``), or by the client's own ``x-request-id`` (its latest request; ``tenant``:
+        among that tenant's requests, None: among everyone's)."""
         rec = self._one(ident)
         if rec is None:
             base, dot, n = ident.rpartition(".")
@@ -43,7 +53,7 @@ class Traces:
                 if rec is not None and not any(a.rid == ident for a in rec.attempts):
                     rec = None
         if rec is None:
-            ours = self.by_client.get(ident)
+            ours = self.by_client_any.get(ident) if tenant is None else self.by_client.get((tenant, ident))
             rec = self._one(ours) if ours is not None else None
         return rec
 

@@ -131,6 +131,7 @@ class Worker:
     engine_capacity: int | None = None  # the engine's max_running_requests (/server_info)
     reserved: int = 0  # slots handed to queued requests that have not bound yet
     cut_until: float = 0.0  # after its 429/503: no more than it holds until then
+    foreign: int = 0  # requests the engine holds beyond ours at the last check (other gateways, direct clients)
 
     @property
     def role(self) -> str:
@@ -149,9 +150,11 @@ class Worker:
         return self.configured_capacity or self.engine_capacity
 
     def limit(self, now: float) -> int | None:
-        """How many of our requests it may hold now: its capacity, lowered to what it holds (at least one) for a
-        while after the engine said 429/503."""
+        """How many of our requests it may hold now: its capacity less what the engine holds for others, lowered
+        to what it holds (at least one) for a while after the engine said 429/503."""
         cap = self.capacity
+        if cap is not None and self.foreign:  # slots others use are not ours to fill
+            cap = max(1, cap - self.foreign)
         if now < self.cut_until:
             held = max(1, self.load)
             return held if cap is None else min(cap, held)

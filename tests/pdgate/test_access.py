@@ -53,7 +53,8 @@ async def gateway(gateways: list[Any], prefills: list[Sim], decodes: list[Sim], 
 
 async def call(http: aiohttp.ClientSession, method: str, url: str, key: str | None = None,
                body: Any = None) -> tuple[int, Any, Any]:
-    async with http.request(method, url, headers=auth(key) if key else {},
+    headers = {**(auth(key) if key else {}), **({"Content-Type": "application/json"} if body is not None else {})}
+    async with http.request(method, url, headers=headers,
                             data=json.dumps(body).encode() if body is not None else None) as r:
         raw = await r.read()
         try:
@@ -154,27 +155,93 @@ async def test_the_registration_and_forgery_sequence_fails_at_its_first_step(pro
             status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY, body_in)
             assert status == want and words in body["error"]["message"], (body_in, status, body)
         closed = free_port()
-        answers = {}
-        for port in (closed, sport):  # nothing listening / an internal service that answers 403
+        answers, took = {}, {}
+        for port in (closed, sport, rport):  # nothing listening / a 403 page / something that answers 200 anything
+            t0 = time.monotonic()
             status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY,
                                          {"role": "decode", "url": f"http://127.0.0.1:{port}"})
-            assert status == 502 and body["error"]["code"] == "worker_unreachable"
+            took[port] = time.monotonic() - t0
+            assert status == 502 and body["error"]["code"] == "worker_unreachable", (port, status, body)
             answers[port] = body["error"]["message"].replace(str(port), "PORT")
-        assert answers[closed] == answers[sport], "an open and a closed port must read the same (no port scanner)"
+        assert answers[closed] == answers[sport] == answers[rport], "every failure reads the same (no port scanner)"
+        assert max(took.values()) - min(took.values()) < 0.15, f"and takes as long: {took}"
         assert "hunter2" not in answers[sport] and "\n" not in answers[sport]
+        assert len(g.gw.up().client.pools) == 2, "no connection pool is left for what failed"
+        for url, why in ((g.url, "this gateway itself"), (g.admin, "this gateway itself")):
+            status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY, {"role": "decode", "url": url})
+            assert status == 400 and why in body["error"]["message"]
+        status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY,
+                                     {"role": "decode", "url": p.url})  # a prefill is no decode
+        assert status == 502
         assert sorted(g.gw.pool.by_id) == ["d0", "p0"] and sorted(g.runner.health_tasks) == ["d0", "p0"], \
             "a failed registration leaves nothing behind"
 
-        # a real worker registers, the cap holds
+        # a real worker registers once, however it is spelled and however many ask at once; the cap holds
         d2, d3 = procs.sim("decode"), procs.sim("decode")
-        status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY, {"role": "decode", "url": d2.url})
-        assert status == 201 and body["id"] == "d1", "refused registrations consumed no worker id"
-        status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY, {"role": "decode", "url": d3.url})
-        assert status == 409 and "max_workers" in body["error"]["message"]
+        spellings = [d2.url, d2.url.replace("127.0.0.1", "127.0.0.1") + "/", d2.url.replace(f":{d2.port}", f":0{d2.port}"),
+                     d3.url, d3.url]
+        results = await asyncio.gather(*(call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY,
+                                              {"role": "decode", "url": u}) for u in spellings))
+        assert sorted(r[0] for r in results) == [201, 409, 409, 409, 409], [(r[0], r[1]) for r in results]
+        assert len(g.gw.pool.by_id) == 3 and "d1" in g.gw.pool.by_id, "refused registrations consumed no worker id"
     finally:
         for s in (rogue, secret):
             s.close()
             await s.wait_closed()
+
+
+async def test_an_open_admin_plane_answers_local_tools_not_web_pages(procs: Procs, http: aiohttp.ClientSession,
+                                                                     gateways: list[Any]) -> None:
+    """Without an admin key, a page in the operator's browser could reach 127.0.0.1 (a cross-site form, or
+    DNS rebinding): Origin, Sec-Fetch-Site, a foreign Host and non-JSON bodies are refused."""
+    p, d = procs.pair()
+    g = await gateway(gateways, [p], [d])
+    body = json.dumps({"role": "decode", "url": p.url}).encode()
+    for headers in ({"Origin": "http://evil.example", "Content-Type": "application/json"},
+                    {"Sec-Fetch-Site": "cross-site", "Content-Type": "application/json"},
+                    {"Host": "rebind.evil.example", "Content-Type": "application/json"}):
+        async with http.post(g.admin + "/v1/workers", data=body, headers=headers) as r:
+            assert r.status == 403, headers
+        async with http.get(g.admin + "/v1/requests", headers=headers) as r:
+            assert r.status == 403, headers
+    async with http.post(g.admin + "/v1/workers", data=body, headers={"Content-Type": "text/plain"}) as r:
+        assert r.status == 400 and "application/json" in (await r.json())["error"]["message"]
+    assert sorted(g.gw.pool.by_id) == ["d0", "p0"]
+    async with http.get(g.admin + "/v1/workers") as r:  # curl, the CLI, scripts: as before
+        assert r.status == 200
+
+
+async def test_a_tenant_cannot_shadow_anothers_request_id(procs: Procs, http: aiohttp.ClientSession,
+                                                          gateways: list[Any]) -> None:
+    p = procs.sim("prefill")
+    d = procs.sim("decode", "--speed", "15")
+    g = await gateway(gateways, [p], [d], **keyed())
+    async with http.post(g.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 30, "stream": True},
+                         headers={**auth(A_KEY), "x-request-id": "job-42"}) as a_stream:
+        a_id = a_stream.headers["x-request-id"]
+        await a_stream.content.readline()
+        async with http.post(g.url + "/v1/chat/completions", json=CHAT,
+                             headers={**auth(B_KEY), "x-request-id": "job-42"}) as r:
+            b_id = r.headers["x-request-id"]
+        assert (await call(http, "GET", g.url + "/v1/requests/job-42", A_KEY))[1]["id"] == a_id
+        assert (await call(http, "GET", g.url + "/v1/requests/job-42", B_KEY))[1]["id"] == b_id
+        status, out, _ = await call(http, "POST", g.url + "/v1/requests/job-42/abort", A_KEY)
+        assert status == 200 and out["id"] == a_id
+        await a_stream.read()
+
+
+async def test_audit_lines_cannot_be_forged_and_request_reads_are_counted(procs: Procs, http: aiohttp.ClientSession,
+                                                                          gateways: list[Any],
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="pdgate.audit")
+    p, d = procs.pair()
+    g = await gateway(gateways, [p], [d], **keyed(requests_per_min=3))
+    forged = "x status=200 actor=ops action=worker.remove target=d0"
+    await call(http, "POST", g.url + "/v1/requests/" + forged.replace(" ", "%20") + "/abort", A_KEY)
+    lines = [r.getMessage() for r in caplog.records if r.name == "pdgate.audit"]
+    assert lines and all(line.count("actor=") == 1 for line in lines), lines
+    statuses = [(await call(http, "GET", g.url + "/v1/requests", A_KEY))[0] for _ in range(4)]
+    assert statuses[-1] == 429, f"reading requests counts against requests_per_min: {statuses}"
 
 
 def test_engine_error_bodies_reach_clients_as_one_bounded_line() -> None:
@@ -469,9 +536,18 @@ def test_config_refuses_bad_keys() -> None:
                       ({"keys": (KeyConfig("a", ok, priority="urgent"),)}, "priority"),
                       ({"keys": (KeyConfig("a", ok, requests_per_min=0),)}, "must be > 0"),
                       ({"allowed_worker_hosts": ("10.0.0.0/33",)}, "CIDR"),
-                      ({"admin_port": 30001}, "must differ")):
+                      ({"admin_port": 30001}, "must differ"),
+                      ({"keys": (KeyConfig("anonymous", ok),)}, "reserved")):
         with pytest.raises(ConfigError, match=words):
             config.validate(dataclasses.replace(GatewayConfig(), **kw))
     with pytest.raises(ConfigError) as err:
         config.validate(GatewayConfig(keys=(KeyConfig("a", "sha256:" + "z" * 64),)))
     assert "z" * 64 not in str(err.value), "a bad hash is not printed back"
+    with pytest.raises(ConfigError) as err:
+        config.from_mapping({"keys": [{"name": "a", "key": "pdg-sk-secret-in-the-wrong-field", "hash": ok}]})
+    assert "secret-in-the-wrong-field" not in str(err.value) and "unknown key" in str(err.value)
+    spec = config.validate_worker(config.WorkerSpec(url="http://LOCALHOST:080", role="decode"))
+    assert spec.url == "http://localhost:80"
+    for bad in ("http://127.0.0.1:8000\t", "http://127.0.0.1:8000?", "http://127.0.0.1:8000#"):
+        with pytest.raises(ConfigError):
+            config.validate_worker(config.WorkerSpec(url=bad, role="decode"))

@@ -72,10 +72,17 @@ def test_priority_then_deadline_then_fair_share() -> None:
 def test_estimates_and_shares() -> None:
     r = Rates(window_s=10)
     assert r.wait_s(3, 0.0) is None, "nothing measured yet: no estimate, no shedding"
+    r.waiting(0.0, True)
     for i in range(10):
         r.free(i * 0.2)
     r.first_token(0.3)
     assert r.drain_rate(2.0) == pytest.approx(5.0) and r.wait_s(4, 2.0) == pytest.approx(1.3)
+    # slots freed while nobody waits (the queue empty) say how fast requests came, not how fast they are served
+    r.waiting(2.0, False)
+    for i in range(10):
+        r.free(3.0 + i * 2.0)
+    assert r.drain_rate(21.0) == pytest.approx(5.0)
+    assert r.drain_rate(40.0) is None, "an estimate not renewed within the window is not used"
     q = FairQueue()
     for i in range(8):
         q.push(Entry(1, "a", float(i)))
@@ -84,6 +91,23 @@ def test_estimates_and_shares() -> None:
     assert q.over_share("a", 1.0) and not q.over_share("b", 1.0)
     assert q.ahead_of(1, "b", 100.0) == 1 + 2, "b waits for its own one and two of a's turns, not all eight"
     assert q.ahead_of(RANKS["high"], "c", 100.0) == 0
+
+
+def test_a_workers_limit_follows_its_engine() -> None:
+    from pdgate.config import BreakerConfig, WorkerSpec
+    from pdgate.workers import CircuitBreaker, Worker
+
+    w = Worker("d0", WorkerSpec("http://127.0.0.1:1", "decode"), CircuitBreaker(BreakerConfig()))
+    assert w.limit(0.0) is None and w.has_room(0.0), "no capacity known: no cap"
+    w.engine_capacity = 8
+    assert w.limit(0.0) == 8
+    w.configured_capacity = 4
+    assert w.limit(0.0) == 4, "the config's capacity wins"
+    w.foreign = 3  # the engine holds three requests that are not ours
+    assert w.limit(0.0) == 1
+    w.foreign, w.cut_until = 0, 5.0  # it said 503 at 0: no more than it holds (at least one) until 5
+    w.reserved = 2
+    assert w.limit(1.0) == 2 and not w.has_room(1.0) and w.limit(5.0) == 4
 
 
 # ---- real sims -----------------------------------------------------------------------------------------
