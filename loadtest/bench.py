@@ -32,6 +32,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from loadtest import overload
 from loadtest.output import pyplot, write
 from loadtest.procs import Proc, cpu_seconds, free_port, wait_http
 
@@ -272,6 +273,10 @@ def targets_run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
+    if a.overload:
+        if a.out == "runs/bench.json":
+            a.out = "runs/overload.json"
+        return overload.run(a)
     if a.compare:
         return compare(a)
     if not a.target:
@@ -295,4 +300,5 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--out", default="runs/bench.json")
+    overload.add_flags(p)
     p.set_defaults(func=run)

@@ -40,6 +40,7 @@ _COUNTERS = {
     "num_lost_aborts": ("lost_aborts", "Aborts lost to the abort_race fault"),
     "prompt_tokens": ("prompt_tokens", "Prompt tokens"),
     "generation_tokens": ("generation_tokens", "Generated tokens"),
+    "num_prefill_forwards": ("prefill_forwards", "Prefill forwards computed (the sim's own counter)"),
 }
 
 

@@ -92,6 +92,7 @@ class Counters:
         self.lost_aborts = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        self.prefill_forwards = 0  # prefills computed (work done, whether anyone received it or not)
 
 
 class Engine:
@@ -248,6 +249,7 @@ class Engine:
                 self.enter(req, "forward")
                 delay = self.cfg.timing.prefill_s(req.prompt_tokens) + self.cfg.faults.slow_prefill
                 await asyncio.sleep(delay)
+                self.counters.prefill_forwards += 1
             first = req.next_word()
             self.enter(req, "inflight")
             await self._transfer(req, dest, first)

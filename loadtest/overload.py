@@ -1,0 +1,278 @@
+"""``python -m loadtest bench --overload``: goodput under overload, with and without admission control.
+
+One prefill sim serialised at about ``--prefill-s`` seconds per request (its ``--speed``), one decode sim,
+reporting ``max_running_requests`` = ``--capacity`` from the prefill (what pdgate reads as its capacity).
+First the pair's capacity is measured (a closed loop through pdgate, no deadlines). Then each target gets
+open-loop Poisson arrivals at 1x, 2x and 3x that capacity for ``--duration`` seconds, every request with a
+TTFT budget (``x-pdgate-ttft-timeout``) and a total budget (``x-pdgate-timeout``); the client gives up at
+the total budget plus a second (a router that ignores deadlines is then seen answering late, or not at all).
+
+Targets, in one run on the same workers: pdgate with admission control, pdgate with it off
+(``[admission] enabled = false``), sglang-router as it is, and sglang-router with its concurrency limit and
+queue (``--max-concurrent-requests``, ``--queue-size``, ``--queue-timeout-secs`` = the TTFT budget).
+
+Reported per target and load: goodput (requests answered 200 within their total budget, per second, counted
+in steady state: answers from 2 s after the first arrival to the last arrival; and as a share of the measured
+capacity), the share of requests that got any terminal answer within their budget,
+how long shed requests waited (p50/p99 of 429/503 answers), 504s, and the engine's wasted prefill work
+(prefills computed for requests that did not complete within their budget, from the sim's
+``num_prefill_forwards``). JSON and a PNG under ``runs/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import uvloop
+from rich.console import Console
+from rich.table import Table
+
+from loadtest.output import pyplot, write
+from loadtest.procs import Proc, free_port, wait_http
+
+BODY = {"model": "sim-model", "messages": [{"role": "user", "content": "say hi"}], "max_tokens": 8}
+SLACK_S = 0.05  # an answer this late past its budget still counts as within it (timer and network)
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1000, 1) if xs else None
+
+
+async def prefill_forwards(http: aiohttp.ClientSession, url: str) -> float:
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    m = re.search(r"^sglang:num_prefill_forwards_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+async def engine_idle(http: aiohttp.ClientSession, workers: list[str], within: float = 30.0) -> None:
+    """Wait until the engines hold nothing (the previous run's leftovers must not load the next)."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        held = 0
+        for w in workers:
+            async with http.get(w + "/pdgate/v1/requests") as r:
+                held += len((await r.json())["requests"])
+        if not held:
+            return
+        await asyncio.sleep(0.2)
+
+
+async def closed_loop(url: str, conns: int, seconds: float) -> float:
+    """Requests/s a target completes with ``conns`` connections and no deadlines: the capacity at 1x."""
+    done = 0
+    end = time.monotonic() + seconds
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+        async def loop() -> None:
+            nonlocal done
+            while time.monotonic() < end:
+                async with http.post(url + "/v1/chat/completions", json=BODY) as r:
+                    await r.read()
+                    done += r.status == 200
+        t0 = time.monotonic()
+        await asyncio.gather(*(loop() for _ in range(conns)))
+        return done / (time.monotonic() - t0)
+
+
+async def open_loop(url: str, rate: float, seconds: float, ttft_s: float, total_s: float,
+                    seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    out: list[dict[str, Any]] = []
+    headers = {"x-pdgate-ttft-timeout": f"{ttft_s:g}", "x-pdgate-timeout": f"{total_s:g}"}
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=total_s + 1.0)) as http:
+        async def one(t0: float) -> None:
+            rec: dict[str, Any] = {"t": t0}
+            try:
+                async with http.post(url + "/v1/chat/completions", json=BODY, headers=headers) as r:
+                    raw = await r.read()
+                    rec["status"] = r.status
+                    if r.status != 200:
+                        try:
+                            rec["code"] = json.loads(raw)["error"]["code"]
+                        except (ValueError, KeyError, TypeError):
+                            rec["code"] = None
+            except (aiohttp.ClientError, TimeoutError):
+                rec["status"] = 0  # no answer: the client gave up
+            rec["s"] = time.monotonic() - t0
+            out.append(rec)
+
+        tasks = []
+        start = time.monotonic()
+        t = start
+        while t < start + seconds:
+            t += rng.expovariate(rate)
+            await asyncio.sleep(max(0.0, t - time.monotonic()))
+            tasks.append(asyncio.create_task(one(t)))
+        await asyncio.gather(*tasks)
+    return out
+
+
+WARMUP_S = 2.0  # goodput is counted in steady state: answers from this long after the first arrival to the last one
+
+
+def summarize(reqs: list[dict[str, Any]], seconds: float, capacity: float, total_s: float,
+              forwards: float) -> dict[str, Any]:
+    """``seconds``: the arrivals' span. Goodput counts the good answers that came in steady state, from
+    ``WARMUP_S`` after the first arrival to the last arrival (neither the queue's filling nor its draining)."""
+    n = len(reqs)
+    t0 = min((r["t"] for r in reqs), default=0.0)
+    t_end = max((r["t"] for r in reqs), default=0.0)
+    window = max(t_end - t0 - WARMUP_S, 1e-3)
+    good = [r for r in reqs if r["status"] == 200 and r["s"] <= total_s + SLACK_S]
+    steady = [r for r in good if t0 + WARMUP_S <= r["t"] + r["s"] <= t_end]
+    terminal = [r for r in reqs if r["status"] != 0 and r["s"] <= total_s + SLACK_S]
+    shed = [r["s"] for r in reqs if r["status"] in (429, 503)]
+    late = [r for r in reqs if r["status"] == 0 or r["s"] > total_s + SLACK_S]
+    codes: dict[str, int] = {}
+    for r in reqs:
+        key = "ok" if r["status"] == 200 else f"{r['status']} {r.get('code') or ''}".strip()
+        codes[key] = codes.get(key, 0) + 1
+    return {
+        "requests": n, "offered_rps": round(n / seconds, 2), "completed_in_deadline": len(good),
+        "goodput_rps": round(len(steady) / window, 2), "goodput_x_capacity": round(len(steady) / window / capacity, 3),
+        "terminal_within_deadline": round(len(terminal) / n, 4) if n else None,
+        "late_or_unanswered": len(late),
+        "shed": len(shed), "shed_p50_ms": pct(shed, 0.5), "shed_p99_ms": pct(shed, 0.99),
+        "deadline_504": sum(1 for r in reqs if r["status"] == 504),
+        "e2e_ok_p50_ms": pct([r["s"] for r in good], 0.5), "e2e_ok_p99_ms": pct([r["s"] for r in good], 0.99),
+        "prefill_forwards": int(forwards), "wasted_prefills": max(0, int(forwards) - len(good)),
+        "codes": codes,
+    }
+
+
+def start(tmp: Path, a: argparse.Namespace, procs: list[Proc]) -> tuple[dict[str, str], str, str]:
+    """The workers and the four targets; every process goes into ``procs`` as soon as it starts."""
+    py = sys.executable
+    pp, bp, dp = free_port(), free_port(), free_port()
+    speed = a.prefill_s / 0.004  # the sim's prefill costs speed * 4 ms (plus a little per token)
+    procs.append(Proc([py, "-m", "engine.sim", "--role", "prefill", "--port", str(pp), "--bootstrap-port", str(bp),
+                       "--speed", f"{speed:g}", "--max-running-requests", str(a.capacity), "--log-level", "WARNING"],
+                      {}, tmp / "prefill.log").start())
+    procs.append(Proc([py, "-m", "engine.sim", "--role", "decode", "--port", str(dp), "--speed", "1",
+                       "--log-level", "WARNING"], {}, tmp / "decode.log").start())
+    pre, dec = f"http://127.0.0.1:{pp}", f"http://127.0.0.1:{dp}"
+    wait_http(pre + "/health", proc=procs[0].popen)
+    wait_http(dec + "/health", proc=procs[1].popen)
+    targets: dict[str, str] = {}
+    for name, enabled in (("pdgate+admission", "true"), ("pdgate-no-admission", "false")):
+        port = free_port()
+        cfg = tmp / f"{name}.toml"
+        cfg.write_text(f"[gateway]\nport = {port}\nadmin_port = {free_port()}\n[admission]\nenabled = {enabled}\n"
+                       f"[reconcile]\nenabled = false\n[[prefill]]\nurl = \"{pre}\"\nbootstrap_port = {bp}\n"
+                       f"[[decode]]\nurl = \"{dec}\"\n")
+        procs.append(Proc([py, "-m", "pdgate", "serve", "--config", str(cfg), "--log-level", "WARNING"], {},
+                          tmp / f"{name}.log").start())
+        targets[name] = f"http://127.0.0.1:{port}"
+    routers = [("sglang-router", []), ("sglang-router+queue", [
+        # its queue timeout takes whole seconds: the TTFT budget, rounded down (a request waits no longer)
+        "--max-concurrent-requests", str(a.capacity), "--queue-size", "1024",
+        "--queue-timeout-secs", str(max(1, int(a.ttft)))])]
+    for name, extra in routers:
+        port = free_port()
+        procs.append(Proc([py, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
+                           "--port", str(port), "--prefill", pre, str(bp), "--decode", dec, "--prometheus-host",
+                           "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn", *extra], {},
+                          tmp / f"{name}.log").start())
+        targets[name] = f"http://127.0.0.1:{port}"
+    for (name, url), proc in zip(targets.items(), procs[2:], strict=True):
+        wait_http(url + ("/readiness" if name.startswith("pdgate") else "/health"), timeout=60, proc=proc.popen)
+    return targets, pre, dec
+
+
+async def measure(a: argparse.Namespace, targets: dict[str, str], pre: str, dec: str, console: Console) -> dict[str, Any]:
+    await asyncio.sleep(1.0)  # the gateways' first health checks have read the engines' capacity
+    capacity = await closed_loop(targets["pdgate-no-admission"], 8, a.calibrate)
+    console.print(f"measured capacity: {capacity:.2f} requests/s (closed loop, 8 connections, {a.calibrate:g} s)")
+    results: dict[str, dict[str, Any]] = {}
+    async with aiohttp.ClientSession() as http:
+        for load in a.loads:
+            for name, url in targets.items():
+                await engine_idle(http, [pre, dec])
+                before = await prefill_forwards(http, pre)
+                console.print(f"  {name} at {load:g}x ({load * capacity:.1f} requests/s) for {a.duration:g} s ...")
+                reqs = await open_loop(url, load * capacity, a.duration, a.ttft, a.total, a.seed)
+                await engine_idle(http, [pre, dec])
+                forwards = await prefill_forwards(http, pre) - before
+                results.setdefault(f"{load:g}x", {})[name] = summarize(reqs, a.duration, capacity, a.total, forwards)
+    return {"capacity_rps": round(capacity, 3), "results": results}
+
+
+def report(console: Console, out: dict[str, Any]) -> None:
+    t = Table(title=f"overload: capacity {out['capacity_rps']} req/s, ttft budget {out['ttft_s']} s, total {out['total_s']} s")
+    for col in ("load", "target", "offered/s", "goodput/s", "x cap", "terminal in deadline", "shed", "shed p99 ms",
+                "504", "late", "wasted prefills"):
+        t.add_column(col, justify="right")
+    for load, per in out["results"].items():
+        for name, m in per.items():
+            t.add_row(load, name, str(m["offered_rps"]), str(m["goodput_rps"]), str(m["goodput_x_capacity"]),
+                      f"{m['terminal_within_deadline']:.1%}", str(m["shed"]), str(m["shed_p99_ms"]),
+                      str(m["deadline_504"]), str(m["late_or_unanswered"]), str(m["wasted_prefills"]))
+    console.print(t)
+
+
+def plot(out: dict[str, Any], path: Path) -> None:
+    plt = pyplot(path)
+    if plt is None:
+        return
+    loads = list(out["results"])
+    names = list(next(iter(out["results"].values())))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    width = 0.8 / len(names)
+    panels = (("goodput_x_capacity", "goodput (x capacity measured at 1x)"),
+              ("terminal_within_deadline", "share of requests terminal within their deadline"),
+              ("wasted_prefills", "wasted prefills (computed, not delivered in time)"))
+    for ax, (key, title) in zip(axes, panels, strict=True):
+        for i, name in enumerate(names):
+            ax.bar([j + i * width for j in range(len(loads))], [out["results"][ld][name][key] or 0 for ld in loads],
+                   width, label=name)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(loads))], [f"{ld} offered" for ld in loads])
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("offered load (x measured capacity)")
+        ax.set_ylabel({"goodput_x_capacity": "x capacity", "terminal_within_deadline": "share of requests",
+                       "wasted_prefills": "prefills"}[key])
+    axes[0].legend(fontsize=8, loc="lower left")
+    fig.suptitle(f"overload: capacity {out['capacity_rps']} req/s, ttft budget {out['ttft_s']} s, total {out['total_s']} s",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def run(a: argparse.Namespace) -> dict[str, Any]:
+    console = Console()
+    tmp = Path(tempfile.mkdtemp(prefix="pdgate-overload-"))
+    procs: list[Proc] = []
+    try:
+        targets, pre, dec = start(tmp, a, procs)
+        out = uvloop.run(measure(a, targets, pre, dec, console))
+    finally:
+        for p in reversed(procs):
+            p.stop()
+    out = {"command": " ".join(sys.argv), "ttft_s": a.ttft, "total_s": a.total, "prefill_s": a.prefill_s,
+           "engine_capacity": a.capacity, "duration_s": a.duration, **out}
+    report(console, out)
+    write(out, a.out, plot)
+    return out
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overload", action="store_true", help="goodput under 1x/2x/3x overload, admission on and off "
+                   "and sglang-router (loadtest/overload.py)")
+    p.add_argument("--loads", nargs="+", type=float, default=[1.0, 2.0, 3.0], help="--overload: offered x capacity")
+    p.add_argument("--ttft", type=float, default=1.5, help="--overload: every request's TTFT budget, s")
+    p.add_argument("--total", type=float, default=2.5, help="--overload: every request's total budget, s")
+    p.add_argument("--prefill-s", type=float, default=0.2, help="--overload: the prefill sim's seconds per request")
+    p.add_argument("--capacity", type=int, default=2, help="--overload: the prefill's max_running_requests")
+    p.add_argument("--calibrate", type=float, default=6.0, help="--overload: seconds of the capacity measurement")
+    p.add_argument("--seed", type=int, default=1)
