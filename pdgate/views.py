@@ -17,7 +17,11 @@ def _s(v: Any) -> str:
 
 def ps_table(data: dict[str, Any]) -> Table:
     t = Table(title=f"live requests: {data.get('count', 0)}")
+    widest = max((len(r["id"]) for r in data.get("requests", [])), default=2)
     for col in ("id", "phase", "age s", "attempt", "prefill", "decode", "deadline", "left s", "chunks"):
+        if col == "id":  # what `trace` and `abort` take: never cut, the other columns give way
+            t.add_column(col, no_wrap=True, min_width=widest)
+            continue
         t.add_column(col, justify="right" if col in ("age s", "left s", "attempt", "chunks") else "left")
     for r in data.get("requests", []):
         d = r.get("deadline") or {}
@@ -46,6 +50,11 @@ def workers_table(data: dict[str, Any]) -> Table:
 
 def trace_view(t: dict[str, Any]) -> Group:
     head = Table.grid(padding=(0, 2))
+    for i in range(6):
+        if i == 1:  # the id is never cut (what `trace` and `abort` take)
+            head.add_column(no_wrap=True, min_width=len(t["id"]))
+        else:
+            head.add_column()
     head.add_row("request", t["id"], "route", t["route"], "model", _s(t.get("model")))
     head.add_row("outcome", Text(_s(t.get("outcome") or t["phase"]),
                                  style="green" if t.get("outcome") == "completed" else "red" if t.get("outcome") else "yellow"),

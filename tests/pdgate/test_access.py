@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import itertools
 import json
 import logging
@@ -292,6 +293,20 @@ async def test_a_tenant_sees_and_aborts_only_its_own_requests(procs: Procs, http
     assert "request aborted by its client (team-a)" in rest and rest.rstrip().endswith("data: [DONE]")
     t = (await call(http, "GET", f"{g.admin}/v1/requests/{a_id}", ADMIN_KEY))[1]
     assert t["outcome"] == "aborted" and t["cause"] == "operator_abort" and t["tenant"] == "team-a"
+
+
+def test_the_longer_ids_are_never_cut_at_80_columns() -> None:
+    from rich.console import Console
+
+    from pdgate import views
+
+    rid = "pdg-1fc49fd0-000000019b30a10102e86876"
+    data = {"count": 1, "requests": [{"id": rid, "phase": "prefill+transfer", "age_s": 1.23, "attempt": 1,
+                                      "prefill": "p0", "decode": "d0", "deadline": {"next": "ttft", "left_s": 3.2},
+                                      "chunks": 0}]}
+    c = Console(width=80, record=True, file=io.StringIO())
+    c.print(views.ps_table(data))
+    assert rid in c.export_text()
 
 
 def test_request_ids_are_fixed_width_and_unguessable() -> None:
