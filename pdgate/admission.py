@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from pdgate.workers import Worker
 
 PRIORITY_HEADER = "x-pdgate-priority"
+NO_PAIR = "no healthy prefill+decode pair is available"
 Pair = tuple["Worker", "Worker"]
 
 
@@ -115,6 +116,8 @@ class Gate:
         self.cfg = gw.cfg.admission
         self.queue = FairQueue()
         self.rates = Rates(self.cfg.window_s)
+        self._pumping = False
+        self._again = False
 
     def pick(self, avoid: frozenset[int]) -> Pair | None:
         gw = self.gw
@@ -123,17 +126,18 @@ class Gate:
                            gw.decode_policy, avoid)
 
     async def acquire(self, ctx: Ctx, avoid: frozenset[int], retry: bool) -> Pair:
-        """A pair for the next attempt: at once when one has room and nobody waits before, else after queueing."""
+        """A pair for the next attempt: at once when one has room and nobody waits before (a retry never waits
+        behind the queue), else after queueing."""
         gw = self.gw
         now = gw.now()
         if not self.cfg.enabled:
             pair = select_pair(gw.pool.available("prefill", now), gw.pool.available("decode", now),
                                gw.prefill_policy, gw.decode_policy, avoid)
             if pair is None:
-                raise NoHealthyPair("no healthy prefill+decode pair is available")
+                raise NoHealthyPair(NO_PAIR)
             return pair
         if not gw.pool.ready(now):  # nothing to wait for: no healthy pair at all
-            raise NoHealthyPair("no healthy prefill+decode pair is available")
+            raise NoHealthyPair(NO_PAIR)
         rec = ctx.rec
         rank = RANKS["retry"] if retry else RANKS[rec.priority]
         if not self.queue.n or retry:
@@ -144,24 +148,35 @@ class Gate:
         name, weight = (tenant.name, tenant.key.weight) if tenant is not None else ("", 1.0)
         if not retry:
             self.refuse_early(rec, rank, name, weight, now)
-        fut: asyncio.Future[Pair] = asyncio.get_running_loop().create_future()
-        e = Entry(rank, name, first_due(rec), weight, (fut, avoid))
-        self.queue.push(e)
-        self.rates.waiting(now, True)
         gw.metrics.queued += 1
         try:
+            while True:  # until it holds a pair whose workers are still there and serving
+                pair = await self.wait(Entry(rank, name, first_due(rec), weight), avoid)
+                if all(gw.pool.by_id.get(w.id) is w and w.available(gw.now()) for w in pair):
+                    return pair
+                rank = RANKS["retry"]  # lost between its grant and now: it goes first next time
+        finally:
+            gw.metrics.queue_wait.observe(gw.now() - now)
+
+    async def wait(self, e: Entry, avoid: frozenset[int]) -> Pair:
+        """Queue ``e`` until a pair is handed to it (its reservation released: the caller binds it at once)."""
+        gw = self.gw
+        fut: asyncio.Future[Pair] = asyncio.get_running_loop().create_future()
+        e.item = (fut, avoid)
+        self.queue.push(e)
+        self.rates.waiting(gw.now(), True)
+        self.pump()  # a slot may be free already (a back-off or a breaker's cooldown that ended)
+        try:
             pair = await fut
-        except BaseException:  # its deadline, its client, a drain: it leaves the queue now, no engine saw it
+        except BaseException:  # its deadline, its client, a drain, no pair left: it leaves the queue now
             self.queue.remove(e)
             self.rates.waiting(gw.now(), self.queue.n > 0)
-            if fut.done() and not fut.cancelled():  # granted a pair just before: the slot goes to the next one
+            if fut.done() and not fut.cancelled() and fut.exception() is None:  # granted just before: pass it on
                 for w in fut.result():
                     w.reserved -= 1
                 self.pump()
             raise
-        finally:
-            gw.metrics.queue_wait.observe(gw.now() - now)
-        for w in pair:  # bound by the caller before anything else runs
+        for w in pair:
             w.reserved -= 1
         return pair
 
@@ -186,20 +201,58 @@ class Gate:
                           f"past this request's ttft budget of {budget:g}s" + (
                               "; this key holds more than its share of the queue" if over else ""))
 
+    def cut(self, w: Worker, until: float) -> None:
+        """The engine said it is full (429/503): no more than it holds until ``until``; then the queue moves."""
+        w.cut_until = until
+        self.pump_at(until)
+
     def shed(self, rec: Record, code: str, status: int, wait: float, message: str) -> None:
         self.gw.metrics.shed(code, rec.tenant or "")
         raise Shed(message, code=code, status=status, retry_after_s=max(1, math.ceil(wait)))
 
-    def free(self, counted: bool) -> None:
-        """A slot freed (``counted``: a request's attempt ended, which is what the drain rate measures)."""
+    def free(self, counted: bool, pump: bool = True) -> None:
+        """A slot freed (``counted``: a request's attempt ended, which is what the drain rate measures;
+        ``pump=False``: its own retry comes next and takes it before the queue)."""
         if counted and self.queue.n:
             self.rates.free(self.gw.now())
-        self.pump()
-        self.rates.waiting(self.gw.now(), self.queue.n > 0)
+        if pump:
+            self.pump()
+            self.rates.waiting(self.gw.now(), self.queue.n > 0)
+
+    def pump_at(self, when: float) -> None:
+        """Pump again at ``when`` (gateway clock): a back-off or a breaker's cooldown ends then, with no event."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a pure test): nothing waits either
+            return
+        loop.call_later(max(0.0, when - self.gw.now()) + 0.001, self.pump)
 
     def pump(self) -> None:
-        """Hand the pairs with room to the requests first in order, reserved until they bind."""
+        """Hand the pairs with room to the requests first in order, reserved until they bind. With no healthy
+        pair left at all, every waiter gets its 503 now instead of waiting out its deadline. Not re-entered:
+        picking a pair may move a worker's state, whose observer pumps; that pump is done by the running one."""
+        if self._pumping:
+            self._again = True
+            return
+        self._pumping = True
+        try:
+            self._again = True
+            while self._again:
+                self._again = False
+                self._pump()
+        finally:
+            self._pumping = False
+
+    def _pump(self) -> None:
         q = self.queue
+        if q.n and not self.gw.pool.ready(self.gw.now()):
+            while q.n:
+                e = q.pop()
+                assert e is not None
+                fut = e.item[0]
+                if not fut.done():
+                    fut.set_exception(NoHealthyPair(NO_PAIR))
+            return
         while q.n:
             e = q.peek()
             assert e is not None
@@ -210,7 +263,9 @@ class Gate:
             pair = self.pick(avoid)
             if pair is None:
                 return
-            q.pop()
+            if e.gone or fut.done():  # the pick moved a worker, whose observer's pump changed the queue
+                continue
+            q.take(e)
             for w in pair:
                 w.reserved += 1
             fut.set_result(pair)

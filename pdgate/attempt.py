@@ -75,6 +75,7 @@ async def dispatch(ctx: Ctx) -> bytes:
         bind = Bind(gw, att)
         pw.bind(bind, now)
         dw.bind(bind, now)
+        retrying = False
         try:
             return await run_attempt(ctx, att, bind, pw, dw)
         except UpstreamError as exc:
@@ -85,10 +86,11 @@ async def dispatch(ctx: Ctx) -> bytes:
             gw.metrics.retries.labels(exc.reason).inc()
             avoid.update(id(w) for w in (pw, dw) if exc.worker in ("", w.id))
             last = exc
+            retrying = n < gw.cfg.max_attempts
         finally:
             pw.unbind(bind)
             dw.unbind(bind)
-            gw.gate.free(counted=True)
+            gw.gate.free(counted=True, pump=not retrying)  # a retry takes its own slot before the queue does
     assert last is not None
     raise last
 
@@ -162,7 +164,7 @@ async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: B
     now = gw.now()
     att.event(now, "prefill_done", status)
     if status != 200:
-        raise leg_status(w, status, body, now, gw.cfg.admission.engine_backoff_s)
+        raise leg_status(gw, w, status, body, now)
     w.success(now)
     w.progress(now)
     w.unbind(bind)  # its part is done: it no longer holds this request (load, stall and restart checks)
@@ -180,7 +182,7 @@ async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, headers:
             now = gw.now()
             att.event(now, "decode_headers", status)
             if status != 200:
-                raise leg_status(w, status, body, now, gw.cfg.admission.engine_backoff_s)
+                raise leg_status(gw, w, status, body, now)
             att.event(now, "decode_done")
             ctx.first_token(now)
             w.progress(now)
@@ -189,7 +191,7 @@ async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, headers:
         async with gw.up().post(w.url, ctx.route, payload, headers) as resp:
             att.event(gw.now(), "decode_headers", resp.status)
             if resp.status != 200:
-                raise leg_status(w, resp.status, await resp.read(), gw.now(), gw.cfg.admission.engine_backoff_s)
+                raise leg_status(gw, w, resp.status, await resp.read(), gw.now())
             await relay_stream(ctx, att, w, resp)
             w.success(gw.now())
             return b""
@@ -208,10 +210,11 @@ def leg_failed(gw: Gateway, w: Worker, exc: Exception) -> UpstreamError:
     return err
 
 
-def leg_status(w: Worker, status: int, body: bytes, now: float, backoff_s: float = 0.0) -> UpstreamStatus:
+def leg_status(gw: Gateway, w: Worker, status: int, body: bytes, now: float) -> UpstreamStatus:
     detail = detail_of(body)
+    backoff_s = gw.cfg.admission.engine_backoff_s
     if status in (429, 503) and backoff_s:  # the engine says it is full: no more than it holds, for a while
-        w.cut_until = now + backoff_s
+        gw.gate.cut(w, now + backoff_s)
     err = UpstreamStatus(f"{w.role} worker {w.id} answered {status}: {detail}", role=w.role, worker=w.id,
                          upstream_status=status, detail=detail)
     if err.retryable:

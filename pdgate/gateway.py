@@ -72,10 +72,10 @@ class Gateway:
             log.warning("worker %s degraded: %s", w.id, cause)
         elif to is State.BREAKER_OPEN:
             log.warning("worker %s: %s", w.id, cause)
+            self.gate.pump_at(self.now() + w.breaker.cfg.cooldown_s)  # its half-open probe may take a queued one
         else:
             log.info("worker %s %s -> %s: %s", w.id, frm.value, to.value, cause)
-        if to is State.UP:
-            self.gate.pump()  # room may have come back
+        self.gate.pump()  # room may have come back, or no pair be left for those who wait
 
     def now(self) -> float:
         return self.clock()

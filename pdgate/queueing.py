@@ -52,94 +52,108 @@ class _Tenant:
 
 
 class FairQueue:
+    """Fair queuing within each class (a tenant's place in one class says nothing of its place in another:
+    a request parked in ``low`` banks no credit for ``normal``)."""
+
     def __init__(self) -> None:
-        self._tenants: dict[str, _Tenant] = {}
-        self._vtimes: dict[str, float] = {}  # a tenant's virtual time while it is not backlogged
-        self._clock = 0.0  # the virtual time of the last request served
+        self._tenants: dict[tuple[int, str], _Tenant] = {}  # (rank, tenant) -> its backlog in that class
+        self._vtimes: dict[tuple[int, str], float] = {}  # a tenant's virtual time in a class it is not backlogged in
+        self._clock: dict[int, float] = {}  # per class: the virtual time of the last request served
         self._seq = itertools.count()
         self.n = 0
 
     def __len__(self) -> int:
         return self.n
 
+    def _start(self, rank: int, tenant: str) -> float:
+        """The virtual time a tenant (re)joins a class at: where it was, but never behind the class's clock."""
+        return max(self._vtimes.get((rank, tenant), 0.0), self._clock.get(rank, 0.0))
+
     def push(self, e: Entry) -> None:
         e.seq = next(self._seq)
-        t = self._tenants.get(e.tenant)
+        key = (e.rank, e.tenant)
+        t = self._tenants.get(key)
         if t is None:
-            t = self._tenants[e.tenant] = _Tenant(max(self._vtimes.pop(e.tenant, 0.0), self._clock), e.weight)
+            t = self._tenants[key] = _Tenant(self._start(e.rank, e.tenant), e.weight)
+            self._vtimes.pop(key, None)
         heapq.heappush(t.heap, (e.key(), e))
         t.live += 1
         self.n += 1
 
-    def remove(self, e: Entry) -> None:
-        if e.gone:
-            return
+    def _drop(self, e: Entry, served: bool) -> None:
         e.gone = True
-        t = self._tenants.get(e.tenant)
-        if t is not None:
-            t.live -= 1
-            self.n -= 1
-            if t.live == 0:
-                self._retire(e.tenant, t)
+        key = (e.rank, e.tenant)
+        t = self._tenants.get(key)
+        if t is None:
+            return
+        t.live -= 1
+        self.n -= 1
+        if served:
+            self._clock[e.rank] = max(self._clock.get(e.rank, 0.0), t.vtime)
+            t.vtime += 1.0 / t.weight
+        if t.live == 0:
+            del self._tenants[key]
+            self._vtimes[key] = t.vtime
 
-    def _retire(self, name: str, t: _Tenant) -> None:
-        del self._tenants[name]
-        self._vtimes[name] = t.vtime
+    def remove(self, e: Entry) -> None:
+        """``e`` leaves without being served (its deadline, its client...)."""
+        if not e.gone:
+            self._drop(e, served=False)
+
+    def take(self, e: Entry) -> None:
+        """``e`` leaves served: its tenant's virtual time in its class moves on."""
+        if not e.gone:
+            self._drop(e, served=True)
 
     def peek(self) -> Entry | None:
         best: tuple[int, float, float] | None = None
         pick: Entry | None = None
-        for t in self._tenants.values():
+        for (rank, _), t in self._tenants.items():
             h = t.head()
             if h is None:
                 continue
-            k = (h.rank, t.vtime, h.deadline)
+            k = (rank, t.vtime, h.deadline)
             if best is None or k < best:
                 best, pick = k, h
         return pick
 
     def pop(self) -> Entry | None:
         e = self.peek()
-        if e is None:
-            return None
-        t = self._tenants[e.tenant]
-        heapq.heappop(t.heap)
-        e.gone = True
-        t.live -= 1
-        self.n -= 1
-        self._clock = max(self._clock, t.vtime)
-        t.vtime += 1.0 / t.weight
-        if t.live == 0:
-            self._retire(e.tenant, t)
+        if e is not None:
+            self.take(e)
         return e
 
     def ahead_of(self, rank: int, tenant: str, deadline: float, weight: float = 1.0) -> int:
         """About how many waiting requests go before a new one with these fields: every one of a better class;
-        of its class, its own tenant's with an earlier deadline, and of each other tenant as many as fair
-        queuing serves while this tenant's go (their share: weight for weight)."""
+        of its class, its tenant's own with an earlier deadline, and of each other tenant those whose virtual
+        start comes before the new one's (fair queuing's order, without serving anything)."""
         better = 0
-        same: dict[str, int] = {}
-        weights: dict[str, float] = {}
-        for name, t in self._tenants.items():
-            weights[name] = t.weight
-            for _, e in t.heap:
-                if e.gone:
-                    continue
-                if e.rank < rank:
-                    better += 1
-                elif e.rank == rank and (name != tenant or e.deadline <= deadline):
-                    same[name] = same.get(name, 0) + 1
-        mine = same.pop(tenant, 0)
-        turns = (mine + 1) / weight
-        return better + mine + sum(min(n, math.ceil(turns * weights[u])) for u, n in same.items())
+        mine = 0
+        others: list[tuple[float, float, int]] = []  # (vtime, weight, waiting) of the other tenants in this class
+        for (r, name), t in self._tenants.items():
+            if r < rank:
+                better += t.live
+            elif r == rank:
+                if name == tenant:
+                    mine = sum(1 for _, e in t.heap if not e.gone and e.deadline <= deadline)
+                else:
+                    others.append((t.vtime, t.weight, t.live))
+        own = self._tenants.get((rank, tenant))
+        start = (own.vtime if own is not None else self._start(rank, tenant)) + mine / weight
+        # another tenant's j-th waiting request starts at v + j/w: ahead if that is not after ours (a tie goes by
+        # deadline, which is not known here, so it counts as ahead)
+        turns = sum(min(n, math.floor((start - v) * w + 1e-9) + 1) for v, w, n in others if start >= v)
+        return better + mine + turns
 
     def over_share(self, tenant: str, weight: float) -> bool:
         """Whether ``tenant`` already holds more than its weighted share of the queue while others wait too."""
-        if not any(name != tenant for name in self._tenants):
+        names = {name for _, name in self._tenants}
+        if not names - {tenant}:
             return False
-        total_w = sum(t.weight for name, t in self._tenants.items() if name != tenant) + weight
-        mine = self._tenants[tenant].live if tenant in self._tenants else 0
-        return mine + 1 > (self.n + 1) * weight / total_w
+        weights = {name: t.weight for (_, name), t in self._tenants.items()}
+        weights[tenant] = weight
+        mine = sum(t.live for (_, name), t in self._tenants.items() if name == tenant)
+        return mine + 1 > (self.n + 1) * weight / sum(weights.values())
 
 
 class Rates:

@@ -7,13 +7,15 @@ about 5 requests/s however many it is sent (what an engine's queue does to every
 from __future__ import annotations
 
 import asyncio
+import random
+import signal
 import time
 from typing import Any
 
 import aiohttp
 import pytest
 
-from pdgate.config import AdmissionConfig, KeyConfig, hash_key
+from pdgate.config import AdmissionConfig, HealthConfig, KeyConfig, hash_key
 from pdgate.queueing import RANKS, Entry, FairQueue, Rates
 from tests.pdgate.harness import Running, make_config, start_gateway
 from tests.procs import Procs, Sim
@@ -67,6 +69,54 @@ def test_priority_then_deadline_then_fair_share() -> None:
         q.push(Entry(1, "plain", float(i)))
     q.push(Entry(1, "heavy", 0.5, weight=2.0))
     assert q.pop().tenant == "heavy" or q.pop().tenant == "heavy"
+
+
+def test_a_request_parked_in_another_class_banks_no_credit() -> None:
+    """A tenant keeping one low request waiting while others are served must not then jump a whole burst of
+    normal ones ahead of them (fair-queuing state is per class)."""
+    q = FairQueue()
+    q.push(Entry(RANKS["low"], "lurker", 0.0))
+    for i in range(50):
+        q.push(Entry(1, "a", float(i)))
+        q.push(Entry(1, "b", float(i)))
+    for _ in range(100):
+        assert q.pop().tenant in ("a", "b")  # type: ignore[union-attr]
+    for i in range(12):
+        q.push(Entry(1, "lurker", 100.0 + i))
+        q.push(Entry(1, "a", 100.0 + i))
+    first = [q.pop().tenant for _ in range(6)]  # type: ignore[union-attr]
+    assert 2 <= first.count("lurker") <= 4, first
+
+
+def test_the_wait_estimate_follows_fair_queuings_order() -> None:
+    """``ahead_of`` against the order ``pop`` really takes, on random queues: never below it (a tie counts as
+    ahead), and for a newcomer among tenants already served, zero (it goes first)."""
+    rng = random.Random(7)
+    for _ in range(300):
+        q = FairQueue()
+        for _ in range(rng.randint(0, 30)):
+            q.push(Entry(rng.choice((0, 1, 2)), rng.choice("abcd"), rng.random() * 10, weight=rng.choice((1.0, 2.0))))
+        for _ in range(rng.randint(0, 5)):
+            q.pop()
+        rank, tenant, deadline = rng.choice((0, 1, 2)), rng.choice("abcde"), rng.random() * 10
+        weight = next((t.weight for (r, n), t in q._tenants.items() if n == tenant and r == rank), 1.0)
+        estimate = q.ahead_of(rank, tenant, deadline, weight)
+        mark = Entry(rank, tenant, deadline, weight)
+        q.push(mark)
+        actual = 0
+        while q.pop() is not mark:
+            actual += 1
+        others = len({n for (r, n) in q._tenants if r == rank})
+        assert actual <= estimate <= actual + others + 1, (estimate, actual)
+    q = FairQueue()
+    for name in "abcdefghij":
+        q.push(Entry(1, name, 0.0))
+        q.push(Entry(1, name, 1.0))
+    for _ in range(10):
+        q.pop()  # every tenant served once: their virtual times moved on
+    assert q.ahead_of(1, "new", 5.0) == 0
+    q.push(Entry(1, "new", 5.0))
+    assert q.pop().tenant == "new"  # type: ignore[union-attr]
 
 
 def test_estimates_and_shares() -> None:
@@ -266,3 +316,105 @@ async def test_drain_answers_queued_requests(procs: Procs, http: aiohttp.ClientS
     status, body, _, _ = await queued
     assert status == 503 and body["error"]["code"] == "gateway_draining" and "phase queued" in body["error"]["message"]
     await blocker
+
+
+async def test_waiters_are_answered_when_no_pair_is_left(procs: Procs, http: aiohttp.ClientSession,
+                                                         gateways: list[Any]) -> None:
+    """The only decode dies while requests wait: they get their 503 as soon as it is found down, not a 504
+    after their whole budget."""
+    p, d = sims(procs)
+    g = await gateway(gateways, p, d, capacity=1)
+    blocker = asyncio.create_task(post(http, g, NORM, chat(300)))
+    await asyncio.sleep(0.4)
+    waiting = [asyncio.create_task(post(http, g, NORM, chat(), x_pdgate_ttft_timeout="8")) for _ in range(3)]
+    await asyncio.sleep(0.2)
+    assert g.gw.gate.queue.n == 3
+    d.proc.stop(signal.SIGKILL)
+    results = await asyncio.gather(*waiting)
+    codes = [(r[0], r[1]["error"]["code"]) for r in results]
+    # the one the blocker's freed slot went to fails its attempts (502); the rest are told no pair is left
+    assert (503, "no_healthy_pair") in codes and all(c[0] in (502, 503) for c in codes), codes
+    assert max(r[2] for r in results) < 4.0, "answered when the worker was found down, not at the deadline"
+    await blocker
+    assert g.gw.gate.queue.n == 0 and all(w.reserved == 0 for w in g.gw.pool.by_id.values())
+
+
+async def test_the_queue_moves_when_an_engines_backoff_ends(procs: Procs, http: aiohttp.ClientSession,
+                                                            gateways: list[Any]) -> None:
+    p = procs.sim("prefill")
+    d = procs.sim("decode", "--max-running-requests", "4")
+    g = await start_gateway(make_config([p], [d], keys=KEYS, admission=AdmissionConfig(),
+                                        health=HealthConfig(interval_s=5, timeout_s=1, failures=2)))
+    gateways.append(g)
+    long = asyncio.create_task(post(http, g, NORM, chat(600)))  # ~2.6 s on d0
+    await asyncio.sleep(0.3)
+    w = g.gw.pool.by_id["d0"]
+    g.gw.gate.cut(w, g.gw.now() + 0.5)  # as after its 503: no more than the one it holds, for 0.5 s
+    t0 = time.monotonic()
+    status, _, took, headers = await post(http, g, NORM, chat())
+    rec = g.gw.traces.get(headers["x-request-id"])
+    assert status == 200 and rec is not None and rec.history[1][0] - rec.created >= 0.3, "it waited for the cut"
+    assert time.monotonic() - t0 < 1.2, f"dispatched when the back-off ended, not at a health check: {took:.2f}s"
+    assert (await long)[0] == 200
+
+
+async def test_a_retry_takes_its_own_slot_before_the_queue(procs: Procs, http: aiohttp.ClientSession,
+                                                           gateways: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdgate import attempt
+    from pdgate.errors import UpstreamStatus
+
+    real = attempt.run_attempt
+    failed: list[str] = []
+
+    async def first_fails(ctx: Any, att: Any, bind: Any, pw: Any, dw: Any) -> bytes:
+        if not failed and ctx.rec.model == "sim-model" and b"retry me" in ctx.request.body:
+            failed.append(att.rid)
+            await asyncio.sleep(0.3)
+            raise UpstreamStatus("injected", role="decode", worker=dw.id, upstream_status=500)
+        return await real(ctx, att, bind, pw, dw)
+
+    monkeypatch.setattr(attempt, "run_attempt", first_fails)
+    p, d = sims(procs)
+    g = await gateway(gateways, p, d, capacity=1)
+    r = asyncio.create_task(post(http, g, NORM, chat(2, "retry me")))
+    await asyncio.sleep(0.1)
+    q = asyncio.create_task(post(http, g, NORM, chat()))
+    (rs, _, _, rh), (qs, _, _, qh) = await asyncio.gather(r, q)
+    assert failed and rs == 200 and qs == 200
+    r_rec, q_rec = g.gw.traces.get(rh["x-request-id"]), g.gw.traces.get(qh["x-request-id"])
+    assert r_rec is not None and q_rec is not None and len(r_rec.attempts) == 2
+    assert r_rec.first_token_at < q_rec.first_token_at, "the retry went first, the queued request after it"  # type: ignore[operator]
+
+
+async def test_a_granted_pair_whose_worker_went_down_is_not_used(procs: Procs, http: aiohttp.ClientSession,
+                                                                 gateways: list[Any],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdgate.admission import Gate
+    from pdgate.workers import State
+
+    p, d = sims(procs)
+    d2 = procs.sim("decode", "--speed", "1")
+    g = await start_gateway(make_config([p], [d, d2], keys=KEYS, admission=AdmissionConfig(capacity=1)))
+    gateways.append(g)
+    real = Gate._pump
+    downed: list[str] = []
+
+    def pump_then_down(self: Gate) -> None:
+        granted = [e for e in list(self.queue._tenants.values()) for _, e in e.heap if not e.gone]
+        real(self)
+        for e in granted:
+            fut = e.item[0]
+            if e.gone and fut.done() and not fut.cancelled() and fut.exception() is None and not downed:
+                w = fut.result()[1]
+                downed.append(w.id)
+                w.transition(State.DOWN, self.gw.now(), "test: down between its grant and its bind")
+
+    monkeypatch.setattr(Gate, "_pump", pump_then_down)
+    blockers = [asyncio.create_task(post(http, g, NORM, chat(200))) for _ in range(2)]
+    await asyncio.sleep(0.5)
+    status, _, _, headers = await post(http, g, NORM, chat(), x_pdgate_ttft_timeout="10")
+    rec = g.gw.traces.get(headers["x-request-id"])
+    assert downed and rec is not None and status == 200
+    assert all(a.decode != downed[0] for a in rec.attempts), (downed, [a.decode for a in rec.attempts])
+    for b in blockers:
+        await b
