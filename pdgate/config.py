@@ -82,7 +82,7 @@ class AdmissionConfig:
     capacity: int = 0  # live requests of ours per worker; 0: what the engine reports (max_running_requests), else no cap
     max_queue: int = 1024  # requests waiting for room; beyond: 503 queue_full (429 for a tenant over its share)
     shed: bool = True  # answer at once a request that cannot reach its first token within its TTFT budget
-    window_s: float = 10.0  # the queue's drain rate is measured over this
+    window_s: float = 10.0  # a drain-rate estimate not renewed within this (nobody waited) is not used
     engine_backoff_s: float = 5.0  # after an engine's 429/503, it gets no more requests than it holds, this long
 
 
