@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import random
 import signal
@@ -24,6 +25,9 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+_GIVEN: collections.deque[int] = collections.deque(maxlen=512)  # the ports this process handed out last
+
+
 def free_port() -> int:
     """A free port for a server we are about to start, chosen below the kernel's ephemeral range.
 
@@ -35,11 +39,14 @@ def free_port() -> int:
     rng = random.SystemRandom()
     for _ in range(100):
         port = rng.randrange(max(1024, lo - 12000), lo)
+        if port in _GIVEN:  # handed out a moment ago, maybe not bound yet: two servers would share it
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _GIVEN.append(port)
             return port
     with socket.socket() as s:  # the range below is crowded: fall back to the kernel's choice
         s.bind(("127.0.0.1", 0))

@@ -30,9 +30,11 @@ class Running:
 def make_config(prefills: Iterable[Sim], decodes: Iterable[Sim], **kw: Any) -> GatewayConfig:
     health = kw.pop("health", HealthConfig(interval_s=0.5, timeout_s=0.5, failures=2, degraded_after_s=30))
     kw.setdefault("drain_s", 0.5)  # teardown of a test gateway does not wait for requests a test left running
-    kw.setdefault("admin_port", free_port())
+    port = kw.pop("port", None) or free_port()
+    if "admin_port" not in kw:  # free_port() may hand out the same port twice in a row
+        kw["admin_port"] = next(p for p in iter(free_port, 0) if p != port)
     return validate(GatewayConfig(
-        port=free_port(),
+        port=port,
         prefill=tuple(WorkerSpec(url=p.url, role="prefill", bootstrap_port=p.bootstrap_port) for p in prefills),
         decode=tuple(WorkerSpec(url=d.url, role="decode") for d in decodes),
         health=health,

@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 from hypothesis import strategies as st
 
-from pdgate.config import DeadlineConfig, HealthConfig, ReconcileConfig
+from pdgate.config import AdmissionConfig, DeadlineConfig, HealthConfig, ReconcileConfig
 from pdgate.record import Phase, Record
 from pdgate.scope import Cause, Reason
 from tests.engine.simclient import engine_requests, set_faults
@@ -72,6 +72,7 @@ class Scenario:
     drain: float | None  # seconds after the start, or None
     drain_s: float
     at_deadline: str | None  # "drain" | "abort": fired by a timer at the first request's due time
+    capacity: int = 0  # admission control's capacity per worker (0: the engines' 1024, nothing queues)
 
 
 budget = st.one_of(st.none(), st.floats(0.1, 3.0).map(lambda x: round(x, 2)), st.sampled_from((0.2, 0.5, 1.0)))
@@ -108,7 +109,8 @@ def free_scenarios(draw: st.DrawFn) -> Scenario:
                     reqs=tuple(draw(st.lists(requests(), min_size=1, max_size=4))),
                     faults=tuple(draw(st.lists(faults(), max_size=2))), drain=drain,
                     drain_s=draw(st.sampled_from((0.0, 0.3))),
-                    at_deadline=draw(st.sampled_from((None, None, None, "drain", "abort"))))
+                    at_deadline=draw(st.sampled_from((None, None, None, "drain", "abort"))),
+                    capacity=draw(st.sampled_from((0, 0, 1))))  # 1: requests wait in the gateway's queue
 
 
 @st.composite
@@ -243,7 +245,8 @@ async def run(cl: Cluster, sc: Scenario) -> list[str]:
     cfg = make_config(cl.sims[:2], cl.sims[2:], drain_s=sc.drain_s, prefill_grace_s=0.5, abort_timeout_s=0.5,
                       deadlines=DeadlineConfig(total_s=TOTAL, ttft_s=TTFT, idle_s=IDLE),
                       health=HealthConfig(interval_s=0.3, timeout_s=0.3, failures=2, degraded_after_s=30),
-                      reconcile=ReconcileConfig(interval_s=0.5, grace_s=0.5))
+                      reconcile=ReconcileConfig(interval_s=0.5, grace_s=0.5),
+                      admission=AdmissionConfig(capacity=sc.capacity))
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         for s in cl.sims:
             await set_faults(http, s, **OFF, segment=sc.segment, segment_seed=sc.seed)
@@ -271,11 +274,19 @@ async def run(cl: Cluster, sc: Scenario) -> list[str]:
             drain_by = None if drained_at is None else drained_at + sc.drain_s
             problems += [p for rec in list(g.gw.traces.finished.values()) for p in check_record(rec, drain_by)]
             problems += [f"terminal-outcome: {rid} still live" for rid in g.gw.traces.live]
+            problems += queue_leftovers(g)
             problems += await leftovers(http, g, cl)
         finally:
             if not closed:
                 await g.close()
     return [f"{p} [seed {sc.seed}]" for p in problems]
+
+
+def queue_leftovers(g: Running) -> list[str]:
+    """Admission control leaves nothing behind: an empty queue, no slot reserved for a request that is gone."""
+    out = [f"queue-empty: {g.gw.gate.queue.n} requests still queued"] if g.gw.gate.queue.n else []
+    out += [f"queue-empty: {w.id} still has {w.reserved} reserved slots" for w in g.gw.pool.by_id.values() if w.reserved]
+    return out
 
 
 def check_record(rec: Record, drain_by: float | None = None) -> list[str]:
