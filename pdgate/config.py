@@ -157,6 +157,8 @@ class GatewayConfig:
     admin_key_file: str | None = None  # a file holding one admin key in plain text (pdgate up writes one)
     allowed_worker_hosts: tuple[str, ...] | None = None  # POST /v1/workers: hosts, IPs, CIDRs, "*"; default loopback + config hosts
     max_workers: int = 64
+    access_log: bool = True  # one line per request on the pdgate.access logger, at info
+    log_format: str = "text"  # the access log's lines: text (key=value) or json
     # Safety switch for demonstrations and tests: with false the gateway never calls
     # /abort_request (like today's routers) and leaves cleanup to the engines.
     abort_legs: bool = True
@@ -246,6 +248,8 @@ def _validate_access(cfg: GatewayConfig) -> None:
             raise ConfigError("gateway.admin_host", cfg.admin_host, "an admin plane beyond loopback needs an admin key "
                               "(admin_keys, admin_key_file or keys_file)")
     _positive("gateway.max_workers", cfg.max_workers, integer=True)
+    if cfg.log_format not in ("text", "json"):
+        raise ConfigError("gateway.log_format", cfg.log_format, "one of text, json")
     names: set[tuple[str, str]] = set()
     hashes: set[str] = set()
     every: list[tuple[str, int, KeyConfig | AdminKey]] = [("keys", i, k) for i, k in enumerate(cfg.keys)]

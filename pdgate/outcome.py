@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from h1lite.server import Response, Stream
+from pdgate import access_log
 from pdgate.auth import Tenant
 from pdgate.errors import Aborted, DeadlineExceeded, Draining, GatewayError, error_json, sse_error_event
 from pdgate.record import Phase, Record, phase_label
@@ -80,6 +81,8 @@ def finalize(ctx: Ctx, outcome: Phase, reason: str | None, status: int) -> None:
     gw.move(rec, outcome, reason)
     gw.traces.finish(rec)
     now = gw.now()
+    if gw.cfg.access_log and access_log.enabled():
+        access_log.emit(access_log.record_fields(rec), gw.cfg.log_format)
     tenant = ctx.request.state
     if isinstance(tenant, Tenant):
         used = (rec.prompt_tokens or rec.estimate) + (rec.completion_tokens or rec.chunks)

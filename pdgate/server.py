@@ -20,14 +20,16 @@ import functools
 import logging
 import os
 import resource
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import GaugeMetricFamily, Metric
 
+from h1lite.errors import HTTPError
 from h1lite.server import Request, Response, Router, Server, Stream, json_response
-from pdgate import admin, health, proxy, reconcile, validation
+from pdgate import access_log, admin, health, proxy, reconcile, validation
 from pdgate.auth import Admin, Tenant, bearer
 from pdgate.config import GatewayConfig, is_loopback, worker_hosts_allowed
 from pdgate.errors import Forbidden, RateLimited, Unauthorized, one_line
@@ -96,6 +98,30 @@ def chain(dispatch: Dispatch, *middleware: Middleware) -> Dispatch:
     for mw in reversed(middleware):
         dispatch = mw(dispatch)
     return dispatch
+
+
+def refusals_logged(app: App) -> Middleware:
+    """The access log's line for a generation request refused before admission (no record to log it at its
+    end): bad input, a missing key, a rate limit, a full queue (``pdgate.access_log``)."""
+    cfg = app.cfg
+
+    def wrap(nxt: Dispatch) -> Dispatch:
+        async def run(request: Request) -> Response | Stream:
+            if request.path not in GENERATION:
+                return await nxt(request)
+            t0 = time.monotonic()
+            try:
+                return await nxt(request)
+            except HTTPError as exc:
+                if access_log.enabled():
+                    tenant = request.state.name if isinstance(request.state, Tenant) else None
+                    access_log.emit(access_log.refused_fields(request.path, exc.status, exc.code, tenant,
+                                                              time.monotonic() - t0), cfg.log_format)
+                raise
+
+        return run
+
+    return wrap
 
 
 def client_keys(app: App) -> Middleware:
@@ -227,7 +253,10 @@ class App:
         else:
             front.add("GET", "/metrics", functools.partial(operator_only, self))
             self.operator_paths.add("/metrics")
-        dispatch = front.dispatch if self.gw.tenants is None else chain(front.dispatch, client_keys(self))
+        chain_of: list[Middleware] = [refusals_logged(self)] if cfg.access_log else []
+        if self.gw.tenants is not None:
+            chain_of.append(client_keys(self))
+        dispatch = chain(front.dispatch, *chain_of)
         self.server = Server(dispatch, cfg.max_body_bytes, cfg.keepalive_s, cfg.head_timeout_s, cfg.body_timeout_s)
         self.admin = Server(chain(back.dispatch, admin_keys(self)), 1 << 20, cfg.keepalive_s, cfg.head_timeout_s,
                             cfg.body_timeout_s)
