@@ -37,13 +37,14 @@ from pdgate.errors import (
     WorkerUnreachable,
 )
 from pdgate.gateway import Gateway
-from pdgate.record import Record
+from pdgate.record import LIVE, Record, phase_label
 from pdgate.scope import Cause, Reason
 
 if TYPE_CHECKING:
     from pdgate.server import App
 
 audit_log = logging.getLogger("pdgate.audit")
+PHASES = (*dict.fromkeys(phase_label(p) for p in LIVE), "prefill")  # what GET /v1/requests?phase= takes
 Handler = Callable[["App", Request], Awaitable[Response | Stream]]
 
 
@@ -238,8 +239,14 @@ async def list_requests(app: App, request: Request) -> Response:
         min_age = float(q["min_age_s"]) if "min_age_s" in q else None
     except ValueError:
         raise BadRequest(f"min_age_s must be a number, got {q['min_age_s']!r}") from None
+    phase, worker = q.get("phase"), q.get("worker")
+    if phase is not None and phase not in PHASES:
+        raise BadRequest(f"phase must be one of {', '.join(PHASES)}, got {phase!r}", param="phase")
+    if worker is not None and worker not in gw.pool.by_id:
+        raise BadRequest(f"worker must be one of {', '.join(sorted(gw.pool.by_id)) or 'none'}, got {worker!r}",
+                         param="worker")
     now = gw.now()
-    recs = [r for r in gw.traces.query(now, q.get("phase"), q.get("worker"), min_age) if visible(r, tenant)]
+    recs = [r for r in gw.traces.query(now, phase, worker, min_age) if visible(r, tenant)]
     return json_response({"requests": [traces.summary(r, now) for r in recs], "count": len(recs)})
 
 

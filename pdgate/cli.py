@@ -213,6 +213,17 @@ def operator_command(args: argparse.Namespace) -> None:
             return Group(views.ps_table(gw.get("/v1/requests")), views.workers_table(gw.get("/v1/workers")))
 
         n = 0
+        if args.json:  # one JSON object per refresh, one per line (for a pipe)
+            try:
+                while True:
+                    print(json.dumps({"requests": gw.get("/v1/requests"), "workers": gw.get("/v1/workers")}),
+                          flush=True)
+                    n += 1
+                    if args.iterations and n >= args.iterations:
+                        return
+                    time.sleep(args.interval)
+            except KeyboardInterrupt:
+                return
         with Live(frame(), console=console, refresh_per_second=4) as live:
             try:
                 while args.iterations == 0 or n < args.iterations:

@@ -184,8 +184,10 @@ def _positive(key: str, value: Any, *, allow_zero: bool = False, integer: bool =
 def validate(cfg: GatewayConfig) -> GatewayConfig:
     if cfg.policy not in POLICIES:
         raise ConfigError("gateway.policy", cfg.policy, f"one of {', '.join(POLICIES)}")
+    _positive("gateway.max_attempts", cfg.max_attempts, integer=True)  # a number first: "3" is named, not a traceback
     if not 1 <= cfg.max_attempts <= 9:
         raise ConfigError("gateway.max_attempts", cfg.max_attempts, "must be within 1..9")
+    _positive("gateway.port", cfg.port, integer=True)
     if not 0 < cfg.port < 65536:
         raise ConfigError("gateway.port", cfg.port, "must be a TCP port")
     for key in ("max_body_bytes", "trace_ring", "upstream_max_conns", "upstream_max_idle", "max_upstream_body_bytes"):
@@ -239,6 +241,7 @@ def is_loopback(host: str) -> bool:
 
 def _validate_access(cfg: GatewayConfig) -> None:
     if cfg.admin_socket is None:
+        _positive("gateway.admin_port", cfg.admin_port, integer=True, allow_zero=True)
         if not 0 <= cfg.admin_port < 65536:
             raise ConfigError("gateway.admin_port", cfg.admin_port, "must be a TCP port (0: any free one)")
         if cfg.admin_port == cfg.port and cfg.admin_port != 0:
@@ -434,13 +437,25 @@ def hash_key(key: str) -> str:
 def load(path: str | Path | None) -> GatewayConfig:
     if path is None:
         return validate(GatewayConfig())
-    with open(path, "rb") as f:
-        cfg = from_mapping(tomllib.load(f))
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError("--config", str(path), f"cannot be read: {exc.strerror or exc}") from None
+    except tomllib.TOMLDecodeError as exc:  # its message names the line and column
+        raise ConfigError("--config", str(path), f"is not valid TOML: {exc}") from None
+    try:
+        cfg = from_mapping(data)
+    except TypeError as exc:  # a section that is not a table, a list where a table belongs
+        raise ConfigError(str(path), "...", f"a section has the wrong shape: {exc}") from None
     return with_key_files(cfg, Path(path).parent)
 
 
 def parse_prefill_flag(url: str, port: str | None) -> WorkerSpec:
-    bport = DEFAULT_BOOTSTRAP_PORT if port is None or port in ("", "none") else int(port)
+    try:
+        bport = DEFAULT_BOOTSTRAP_PORT if port is None or port in ("", "none") else int(port)
+    except ValueError:
+        raise ConfigError("--prefill BOOTSTRAP_PORT", port, "must be a TCP port") from None
     return validate_worker(WorkerSpec(url=url.rstrip("/"), role="prefill", bootstrap_port=bport), "--prefill")
 
 

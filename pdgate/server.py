@@ -31,7 +31,7 @@ from h1lite.errors import HTTPError
 from h1lite.server import Request, Response, Router, Server, Stream, json_response
 from pdgate import access_log, admin, health, proxy, reconcile, validation
 from pdgate.auth import Admin, Tenant, bearer
-from pdgate.config import GatewayConfig, is_loopback, worker_hosts_allowed
+from pdgate.config import ConfigError, GatewayConfig, is_loopback, worker_hosts_allowed
 from pdgate.errors import Forbidden, RateLimited, Unauthorized, one_line
 from pdgate.gateway import Gateway
 
@@ -270,6 +270,13 @@ class App:
             live.add_metric([t.name], float(t.live))
         yield live
 
+    async def listen(self, flag: str, where: object, starting: Awaitable[None]) -> None:
+        """Start a listener; a port in use or an address we may not bind is one line naming the flag."""
+        try:
+            await starting
+        except OSError as exc:
+            raise ConfigError(flag, where, f"cannot listen there: {exc.strerror or exc} (choose another with {flag})") from None
+
     def own_urls(self) -> set[str]:
         """This gateway's own listeners, as worker URLs would spell them (never registered as a worker)."""
         ports = {self.server.port} | ({self.admin.port} if not self.cfg.admin_socket else set())
@@ -298,11 +305,15 @@ class App:
         if gw.cfg.reconcile.enabled:
             self.rec_task = asyncio.get_running_loop().create_task(self.reconciler.run())
         c = self.cfg
-        if c.admin_socket:
-            await self.admin.start_unix(c.admin_socket)
-        else:
-            await self.admin.start(c.admin_host, c.admin_port)
-        await self.server.start(host, port)
+        try:
+            if c.admin_socket:
+                await self.listen("--admin-socket", c.admin_socket, self.admin.start_unix(c.admin_socket))
+            else:
+                await self.listen("--admin-port", c.admin_port, self.admin.start(c.admin_host, c.admin_port))
+            await self.listen("--port", port, self.server.start(host, port))
+        except ConfigError:
+            await self.cleanup()  # what started before the refusal stops with it
+            raise
         warning = open_front_door(host, gw.tenants is not None)
         if warning:
             log.warning(warning)

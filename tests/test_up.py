@@ -132,6 +132,8 @@ def test_pdgate_up_end_to_end(procs: Procs, tmp_path: Path) -> None:
     assert "live requests: 0" in cli(admin, "ps", key_file=key_file)
     assert json.loads(cli(admin, "ps", "--json", key_file=key_file))["count"] == 0
     assert "workers" in cli(admin, "top", "--iterations", "1", "--interval", "0.1", key_file=key_file)
+    frames = cli(admin, "top", "--json", "--iterations", "2", "--interval", "0.1", key_file=key_file).splitlines()
+    assert len(frames) == 2 and all(json.loads(f)["workers"]["workers"] for f in frames), "top --json: a line a frame"
     denied = cli(admin, "ps", key_file=tmp_path / "missing", check=False)
     assert "401" in denied and "admin key" in denied, denied
     assert post(gw + "/v1/workers/d0/restart")[0] == 401, "operator endpoints are not on the front door"

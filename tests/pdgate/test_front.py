@@ -77,9 +77,12 @@ async def test_inspection_api(procs: Procs, http: aiohttp.ClientSession, gateway
     await asyncio.sleep(0.3)
     pid = worker_id(g.gw, p)
     for query, n in [("", 1), ("?phase=prefill%2Btransfer", 1), ("?phase=decode", 0), (f"?worker={pid}", 1),
-                     ("?worker=d9", 0), ("?min_age_s=0.2", 1), ("?min_age_s=100", 0)]:
+                     ("?min_age_s=0.2", 1), ("?min_age_s=100", 0)]:
         async with http.get(g.admin + "/v1/requests" + query) as r:
             assert (await r.json())["count"] == n, query
+    for query, allowed in (("?worker=d9", "d0, p0"), ("?phase=bogus", "queued, dispatched, prefill+transfer")):
+        async with http.get(g.admin + "/v1/requests" + query) as r:  # a filter that can match nothing is a typo
+            assert r.status == 400 and allowed in (await r.json())["error"]["message"], query
     rid = next(iter(g.gw.traces.live))
     async with http.get(f"{g.admin}/v1/requests/{rid}") as r:
         t = await r.json()

@@ -1,0 +1,50 @@
+"""What an operator gets for a bad config or a taken port (issue 17, first part): one line naming the key or the
+flag, the value and the reason, exit 2, no traceback. Real `pdgate serve` processes."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.procs import ROOT, free_port
+
+
+def serve(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pdgate", "serve", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.parametrize(("toml", "words"), [
+    ('[gateway]\nport = "30005"\n', "gateway.port = '30005': must be a whole number"),
+    ('[gateway\nport = 1\n', "is not valid TOML: Expected ']' at the end of a table declaration (at line 1"),
+    ("[gateway]\nmax_attempts = 0\n", "gateway.max_attempts = 0"),
+    ("[gateway]\nlog_format = 'xml'\n", "gateway.log_format = 'xml': one of text, json"),
+])
+def test_config_errors_name_key_value_and_reason(tmp_path: Path, toml: str, words: str) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(toml)
+    out = serve("--config", str(cfg))
+    assert out.returncode == 2 and words in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_missing_file_and_bad_flags(tmp_path: Path) -> None:
+    out = serve("--config", str(tmp_path / "nope.toml"))
+    assert out.returncode == 2 and "cannot be read: No such file or directory" in out.stderr, out.stderr
+    out = serve("--prefill", "http://127.0.0.1:1", "abc")
+    assert out.returncode == 2 and "--prefill BOOTSTRAP_PORT = 'abc': must be a TCP port" in out.stderr, out.stderr
+
+
+def test_a_taken_port_is_one_line_naming_the_flag() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out = serve("--port", str(port), "--admin-port", "0")
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        assert f"--port = {port}: cannot listen there" in out.stderr and "(choose another with --port)" in out.stderr
+        out = serve("--port", str(free_port()), "--admin-port", str(port))
+        assert out.returncode == 2 and f"--admin-port = {port}: cannot listen there" in out.stderr, out.stderr
