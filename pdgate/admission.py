@@ -119,11 +119,12 @@ class Gate:
         self._pumping = False
         self._again = False
 
-    def pick(self, avoid: frozenset[int]) -> Pair | None:
+    def pick(self, avoid: frozenset[int], room: bool = True) -> Pair | None:
+        """A pair by the policies among available workers (``room``: only those below their limit)."""
         gw = self.gw
         now = gw.now()
-        return select_pair(gw.pool.with_room("prefill", now), gw.pool.with_room("decode", now), gw.prefill_policy,
-                           gw.decode_policy, avoid)
+        among = gw.pool.with_room if room else gw.pool.available
+        return select_pair(among("prefill", now), among("decode", now), gw.prefill_policy, gw.decode_policy, avoid)
 
     async def acquire(self, ctx: Ctx, avoid: frozenset[int], retry: bool) -> Pair:
         """A pair for the next attempt: at once when one has room and nobody waits before (a retry never waits
@@ -131,8 +132,7 @@ class Gate:
         gw = self.gw
         now = gw.now()
         if not self.cfg.enabled:
-            pair = select_pair(gw.pool.available("prefill", now), gw.pool.available("decode", now),
-                               gw.prefill_policy, gw.decode_policy, avoid)
+            pair = self.pick(avoid, room=False)
             if pair is None:
                 raise NoHealthyPair(NO_PAIR)
             return pair

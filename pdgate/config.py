@@ -313,11 +313,8 @@ def host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
     for entry in allowed:
         if entry == "*" or entry.lower() == host:
             return True
-        if ip is not None and "/" in entry:
-            net = _network(entry)
-            if net is not None and ip.version == net.version and ip in net:
-                return True
-        elif ip is not None and _network(entry) is not None and ipaddress.ip_address(entry) == ip:
+        net = _network(entry) if ip is not None else None  # an IP is a network of one address
+        if net is not None and ip is not None and ip.version == net.version and ip in net:
             return True
     return False
 

@@ -542,6 +542,16 @@ def test_an_open_front_door_beyond_loopback_is_warned_about() -> None:
     assert open_front_door("::1", keys=False) is None and open_front_door("localhost", keys=False) is None
 
 
+def test_worker_host_allow_list() -> None:
+    default = config.worker_hosts_allowed(GatewayConfig())
+    assert config.host_allowed("127.0.0.5", default) and config.host_allowed("::1", default)
+    assert config.host_allowed("LOCALHOST", default) and not config.host_allowed("evil.example", default)
+    assert config.host_allowed("10.1.2.3", ("10.0.0.0/8",)) and not config.host_allowed("11.0.0.1", ("10.0.0.0/8",))
+    assert config.host_allowed("10.0.0.1", ("10.0.0.1",)) and not config.host_allowed("10.0.0.2", ("10.0.0.1",))
+    assert not config.host_allowed("::ffff:10.0.0.1", ("10.0.0.0/8",)), "a mapped v6 form is not the v4 network"
+    assert config.host_allowed("gpu-node-1", ("gpu-node-1",)) and config.host_allowed("anything", ("*",))
+
+
 def test_config_refuses_bad_keys() -> None:
     ok = hash_key("k")
     for kw, words in (({"keys": (KeyConfig("bad name", ok),)}, "A-Z"),
