@@ -25,7 +25,7 @@ from pdgate import deadlines, protocol, validation
 from pdgate.auth import Tenant
 from pdgate.config import PRIORITIES
 from pdgate.errors import InvalidField, InvalidJSON, ModelNotFound, NoHealthyPair, Shed
-from pdgate.policies import select_pair
+from pdgate.policies import RequestView, select_pair
 from pdgate.queueing import RANKS, Entry, FairQueue, Rates
 from pdgate.record import Record
 
@@ -119,12 +119,13 @@ class Gate:
         self._pumping = False
         self._again = False
 
-    def pick(self, avoid: frozenset[int], room: bool = True) -> Pair | None:
+    def pick(self, avoid: frozenset[int], view: RequestView, room: bool = True) -> Pair | None:
         """A pair by the policies among available workers (``room``: only those below their limit)."""
         gw = self.gw
         now = gw.now()
         among = gw.pool.with_room if room else gw.pool.available
-        return select_pair(among("prefill", now), among("decode", now), gw.prefill_policy, gw.decode_policy, avoid)
+        return select_pair(among("prefill", now), among("decode", now), gw.prefill_policy, gw.decode_policy, avoid,
+                           view)
 
     async def acquire(self, ctx: Ctx, avoid: frozenset[int], retry: bool) -> Pair:
         """A pair for the next attempt: at once when one has room and nobody waits before (a retry never waits
@@ -132,7 +133,7 @@ class Gate:
         gw = self.gw
         now = gw.now()
         if not self.cfg.enabled:
-            pair = self.pick(avoid, room=False)
+            pair = self.pick(avoid, ctx.view, room=False)
             if pair is None:
                 raise NoHealthyPair(NO_PAIR)
             return pair
@@ -141,7 +142,7 @@ class Gate:
         rec = ctx.rec
         rank = RANKS["retry"] if retry else RANKS[rec.priority]
         if not self.queue.n or retry:
-            pair = self.pick(avoid)
+            pair = self.pick(avoid, ctx.view)
             if pair is not None:
                 return pair
         tenant = ctx.request.state if isinstance(ctx.request.state, Tenant) else None
@@ -151,18 +152,18 @@ class Gate:
         gw.metrics.queued += 1
         try:
             while True:  # until it holds a pair whose workers are still there and serving
-                pair = await self.wait(Entry(rank, name, first_due(rec), weight), avoid)
+                pair = await self.wait(Entry(rank, name, first_due(rec), weight), avoid, ctx.view)
                 if all(gw.pool.by_id.get(w.id) is w and w.available(gw.now()) for w in pair):
                     return pair
                 rank = RANKS["retry"]  # lost between its grant and now: it goes first next time
         finally:
             gw.metrics.queue_wait.observe(gw.now() - now)
 
-    async def wait(self, e: Entry, avoid: frozenset[int]) -> Pair:
+    async def wait(self, e: Entry, avoid: frozenset[int], view: RequestView) -> Pair:
         """Queue ``e`` until a pair is handed to it (its reservation released: the caller binds it at once)."""
         gw = self.gw
         fut: asyncio.Future[Pair] = asyncio.get_running_loop().create_future()
-        e.item = (fut, avoid)
+        e.item = (fut, avoid, view)
         self.queue.push(e)
         self.rates.waiting(gw.now(), True)
         self.pump()  # a slot may be free already (a back-off or a breaker's cooldown that ended)
@@ -256,11 +257,11 @@ class Gate:
         while q.n:
             e = q.peek()
             assert e is not None
-            fut, avoid = e.item
+            fut, avoid, view = e.item
             if fut.done():  # its waiter is ending: it leaves the queue in its own finally
                 q.remove(e)
                 continue
-            pair = self.pick(avoid)
+            pair = self.pick(avoid, view)
             if pair is None:
                 return
             if e.gone or fut.done():  # the pick moved a worker, whose observer's pump changed the queue

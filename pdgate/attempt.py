@@ -75,9 +75,18 @@ async def dispatch(ctx: Ctx) -> bytes:
         bind = Bind(gw, att)
         pw.bind(bind, now)
         dw.bind(bind, now)
+        view = ctx.view
+        for note in view.notes:  # why the policy chose as it did (a session that moved, loads out of balance)
+            att.event(now, "routing", note)
+        view.notes.clear()
+        gw.prefill_policy.dispatched(pw.id, view)
+        gw.decode_policy.dispatched(dw.id, view)
         retrying = False
+        ok = False
         try:
-            return await run_attempt(ctx, att, bind, pw, dw)
+            body = await run_attempt(ctx, att, bind, pw, dw)
+            ok = True
+            return body
         except UpstreamError as exc:
             att.error = exc.message
             att.event(gw.now(), "error", exc.message)
@@ -90,6 +99,8 @@ async def dispatch(ctx: Ctx) -> bytes:
         finally:
             pw.unbind(bind)
             dw.unbind(bind)
+            gw.prefill_policy.completed(pw.id, view, ok)
+            gw.decode_policy.completed(dw.id, view, ok)
             gw.gate.free(counted=True, pump=not retrying)  # a retry takes its own slot before the queue does
     assert last is not None
     raise last

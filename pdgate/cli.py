@@ -52,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
                    help="a prefill worker and its bootstrap port (repeatable)")
     p.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker (repeatable)")
-    p.add_argument("--policy", choices=config.POLICIES)
+    p.add_argument("--policy", choices=config.POLICIES, help="worker choice for both roles (default least_loaded; "
+                   "session and cache_aware choose the prefill, the decode then goes by least_loaded)")
+    p.add_argument("--prefill-policy", choices=config.POLICIES, help="the prefill's choice (default: --policy)")
+    p.add_argument("--decode-policy", choices=config.LOAD_POLICIES, help="the decode's choice (default: --policy)")
     p.add_argument("--max-attempts", type=int)
     p = sub.add_parser("up", help="start the workers of a cluster file and the gateway in front of them")
     _add_gateway_flags(p)
@@ -104,6 +107,7 @@ def build_config(args: argparse.Namespace) -> config.GatewayConfig:
         prefill.append(config.parse_prefill_flag(item[0], item[1] if len(item) > 1 else None))
     decode = [config.validate_worker(config.WorkerSpec(url=u.rstrip("/"), role="decode"), "--decode") for u in args.decode]
     return config.override(cfg, host=args.host, port=args.port, policy=args.policy, max_attempts=args.max_attempts,
+                           prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                            prefill=tuple(prefill) or None, decode=tuple(decode) or None, **admin_flags(args))
 
 

@@ -18,7 +18,8 @@ from urllib.parse import urlsplit
 
 from pdgate.protocol import DEFAULT_BOOTSTRAP_PORT
 
-POLICIES = ("round_robin", "least_loaded", "power_of_two")
+POLICIES = ("round_robin", "least_loaded", "power_of_two", "session", "cache_aware")
+LOAD_POLICIES = POLICIES[:3]  # what a decode choice may use (session and cache_aware are prefill choices)
 PRIORITIES = ("high", "normal", "low")  # a key's priority class (admission control orders its queue by it)
 KEY_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")  # a tenant's name: a metric label, a log field
 KEY_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -104,6 +105,20 @@ class KeyConfig:
 
 
 @dataclass(frozen=True)
+class RoutingConfig:
+    """The request-aware policies (``pdgate.policies``); thresholds as SGLang router's defaults."""
+
+    session_header: str = "x-session-id"  # the session key; without it, OpenAI's "user" field
+    max_sessions: int = 100_000  # sessions remembered (least recently used first out)
+    cache_threshold: float = 0.3  # cache_aware: the matched share of the prompt that picks the worker holding it
+    cache_min_chars: int = 1024  # cache_aware: ... or a matched prefix this long, whatever its share
+    balance_abs: int = 64  # both: a worker this many requests above the least loaded ...
+    balance_rel: float = 1.5  # ... and this many times it is out of balance: the least loaded gets the request
+    block_chars: int = 256  # cache_aware: its prefix tree's granularity, in characters of prompt text
+    max_blocks: int = 262_144  # cache_aware: blocks remembered per worker (x block_chars: 2^26 characters, the router's)
+
+
+@dataclass(frozen=True)
 class AdminKey:
     name: str  # who did it, in the audit log
     hash: str
@@ -129,6 +144,8 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 30001
     policy: str = "least_loaded"
+    prefill_policy: str | None = None  # default: policy
+    decode_policy: str | None = None  # default: policy, or least_loaded when policy is session or cache_aware
     max_attempts: int = 3
     max_body_bytes: int = 32 * 1024 * 1024
     trace_ring: int = 2000
@@ -168,9 +185,16 @@ class GatewayConfig:
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
     peers: tuple[str, ...] = ()  # URLs of other gateways in front of the same workers (their leases are read)
     prefill: tuple[WorkerSpec, ...] = ()
     decode: tuple[WorkerSpec, ...] = ()
+
+
+def policy_names(cfg: GatewayConfig) -> tuple[str, str]:
+    """The prefill's and the decode's policy."""
+    decode = cfg.decode_policy or (cfg.policy if cfg.policy in LOAD_POLICIES else "least_loaded")
+    return cfg.prefill_policy or cfg.policy, decode
 
 
 def _positive(key: str, value: Any, *, allow_zero: bool = False, integer: bool = False) -> None:
@@ -184,6 +208,20 @@ def _positive(key: str, value: Any, *, allow_zero: bool = False, integer: bool =
 def validate(cfg: GatewayConfig) -> GatewayConfig:
     if cfg.policy not in POLICIES:
         raise ConfigError("gateway.policy", cfg.policy, f"one of {', '.join(POLICIES)}")
+    if cfg.prefill_policy is not None and cfg.prefill_policy not in POLICIES:
+        raise ConfigError("gateway.prefill_policy", cfg.prefill_policy, f"one of {', '.join(POLICIES)}")
+    if cfg.decode_policy is not None and cfg.decode_policy not in LOAD_POLICIES:
+        raise ConfigError("gateway.decode_policy", cfg.decode_policy,
+                          f"one of {', '.join(LOAD_POLICIES)} (a decode is chosen by load: the prefill holds the cache)")
+    r = cfg.routing
+    if not isinstance(r.session_header, str) or not re.fullmatch(r"[A-Za-z0-9-]{1,64}", r.session_header):
+        raise ConfigError("routing.session_header", r.session_header, "must be a header name")
+    for key in ("max_sessions", "balance_abs", "block_chars", "max_blocks", "cache_min_chars"):
+        _positive(f"routing.{key}", getattr(r, key), integer=True, allow_zero=key == "balance_abs")
+    _positive("routing.balance_rel", r.balance_rel)
+    _positive("routing.cache_threshold", r.cache_threshold, allow_zero=True)
+    if r.cache_threshold > 1:
+        raise ConfigError("routing.cache_threshold", r.cache_threshold, "must be within 0..1")
     _positive("gateway.max_attempts", cfg.max_attempts, integer=True)  # a number first: "3" is named, not a traceback
     if not 1 <= cfg.max_attempts <= 9:
         raise ConfigError("gateway.max_attempts", cfg.max_attempts, "must be within 1..9")
@@ -368,6 +406,7 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
         "breaker": _build(BreakerConfig, data.pop("breaker", {}), "breaker."),
         "reconcile": _build(ReconcileConfig, data.pop("reconcile", {}), "reconcile."),
         "admission": _build(AdmissionConfig, data.pop("admission", {}), "admission."),
+        "routing": _build(RoutingConfig, data.pop("routing", {}), "routing."),
         "models": {m: _build(Budgets, v, f"models.{m}.") for m, v in data.pop("models", {}).items()},
     }
     for role in ("prefill", "decode"):

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from pdgate import auth, policies
 from pdgate.admission import Gate
-from pdgate.config import GatewayConfig
-from pdgate.metrics import Metrics, worker_families
+from pdgate.config import GatewayConfig, policy_names
+from pdgate.metrics import Metrics, policy_families, worker_families
 from pdgate.record import Attempt, Observer, Phase, Record, transition
 from pdgate.scope import Cause, Reason
 from pdgate.traces import Traces
@@ -36,8 +36,9 @@ class Gateway:
         self.traces = Traces(cfg.trace_ring)
         self.metrics = Metrics(self.traces.live_phases)
         self.observers: tuple[Observer, ...] = (self.metrics.on_transition,)
-        self.prefill_policy = policies.make(cfg.policy)
-        self.decode_policy = policies.make(cfg.policy)
+        pname, dname = policy_names(cfg)
+        self.prefill_policy = policies.make(pname, cfg.routing)
+        self.decode_policy = policies.make(dname, cfg.routing)
         self.live: dict[str, Ctx] = {}  # live request id -> its context (and cancel scope)
         self.background: set[asyncio.Task[Any]] = set()
         self.upstream: Upstream | None = None
@@ -51,6 +52,7 @@ class Gateway:
         self.admins = auth.admins(cfg.admin_keys)  # None: an open admin plane (loopback only)
         for spec in (*cfg.prefill, *cfg.decode):
             self.pool.add(spec)
+        self.metrics.add_collector(lambda: policy_families({"prefill": self.prefill_policy, "decode": self.decode_policy}))
         self.metrics.add_collector(lambda: worker_families(
             list(self.pool.by_id.values()), self.now(), self.traces.oldest_age(self.now()),
             self.upstream.client.stale_retries if self.upstream is not None else 0))
@@ -59,6 +61,8 @@ class Gateway:
         """What follows a worker's move, in one place: its live requests failed over at once when it goes
         down or restarted, traces told when it degrades, metrics and a log line for every move."""
         self.metrics.worker_transitions.labels(w.id, to.value).inc()
+        if to in (State.DOWN, State.RESTARTED, State.REMOVED):  # its cache is gone (or no longer ours to use)
+            (self.prefill_policy if w.role == "prefill" else self.decode_policy).forget(w.id)
         if to is State.DOWN or to is State.RESTARTED:
             lost = w.lose_all(f"{to.value}: {cause}")
             self.metrics.lost.labels(w.id).inc(lost)

@@ -191,3 +191,13 @@ def worker_families(workers: list[Any], now: float, oldest_age: float, stale_ret
                              "reused one had been closed by the engine (its keep-alive close racing ours)")
     st.add_metric([], float(stale_retries))
     yield st
+
+
+def policy_families(policies: dict[str, Any]) -> Iterator[Metric]:
+    """Each role's policy decisions (session: sticky, moved, new, none; cache_aware: cache, new, balance)."""
+    c = CounterMetricFamily("pdgate_policy_decisions", "Worker choices by the request-aware policies, by what decided",
+                            labels=["role", "policy", "decision"])
+    for role, pol in policies.items():
+        for decision, n in pol.decisions.items():
+            c.add_metric([role, pol.name, decision], float(n))
+    yield c

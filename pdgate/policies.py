@@ -1,44 +1,148 @@
 """Worker selection policies: pure, synchronous, named (the name is a metric label).
 
-A policy picks an index among candidate workers given their loads; pair selection runs
-it once per role. Add one by writing a ``select`` and registering it in ``POLICIES``.
+A policy picks an index among candidate workers, seeing each one's id and live load and the request
+(``RequestView``: route, model, its text, its session key); pair selection runs it once per role. It hears
+what followed through three hooks: ``dispatched`` (an attempt was sent to that worker), ``completed`` (it
+ended), ``forget`` (the worker was removed, went down or restarted: whatever it held is gone).
+
+- ``round_robin``, ``least_loaded``, ``power_of_two``: by load alone (``by_load``).
+- ``session``: a session (``x-session-id``, or OpenAI's ``user``) stays on the worker it was sent to, and
+  moves, with a note in the trace, when that worker is unavailable or over the balance thresholds.
+- ``cache_aware``: the worker that was sent the longest prefix of this request's text (``PrefixIndex``, an
+  approximate prefix tree per worker, bounded); when none holds enough of it, the worker holding least; when
+  loads are out of balance, the least loaded. SGLang router's policy of that name, same thresholds, and one
+  more: a held prefix of ``cache_min_chars`` or more is enough whatever its share of the prompt (an agent's
+  round often adds more tool output than the history it resends; by share alone that session would move
+  and recompute its whole history).
+
+Add one by writing a ``select`` and registering it in ``POLICIES``.
 """
 
 from __future__ import annotations
 
 import abc
+import hashlib
 import random
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Protocol, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+from pdgate.config import RoutingConfig
 
 
 class Candidate(Protocol):
+    @property
+    def id(self) -> str: ...
+
     @property
     def load(self) -> int: ...
 
 
 W = TypeVar("W", bound=Candidate)
 
+MAX_SESSION_CHARS = 64  # a longer session key is kept as its hash (the map's memory stays bounded per entry)
+
+
+def session_key(tenant: str | None, header: str | None, body: dict[str, Any]) -> str | None:
+    """The request's session: the configured header, else OpenAI's ``user`` field; per tenant (one client's
+    session name cannot steer another's)."""
+    raw = header if header else body.get("user")
+    if not isinstance(raw, str) or not raw:
+        return None
+    if len(raw) > MAX_SESSION_CHARS:
+        raw = hashlib.blake2b(raw.encode(), digest_size=16).hexdigest()
+    return f"{tenant}/{raw}" if tenant else raw
+
+
+def prompt_text(route: str, body: dict[str, Any]) -> str:
+    """The request's input as text, in a form whose prefix stays the same as a conversation grows: chat
+    messages in order (role, content, tool calls), a completion's prompt, /generate's text or token ids."""
+    if "messages" in body:
+        parts = []
+        for m in body["messages"] if isinstance(body["messages"], list) else ():
+            if not isinstance(m, dict):
+                continue
+            content = m.get("content")
+            if isinstance(content, list):
+                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            parts.append(f"{m.get('role', '')}: {content or ''}")
+            for call in m.get("tool_calls") or ():
+                fn = call.get("function") if isinstance(call, dict) else None
+                if isinstance(fn, dict):
+                    parts.append(f"call {fn.get('name', '')} {fn.get('arguments', '')}")
+        return "\n".join(parts)
+    prompt = body.get("prompt", body.get("text"))
+    if isinstance(prompt, list):
+        return " ".join(str(x) for x in prompt)
+    if isinstance(prompt, str):
+        return prompt
+    ids = body.get("input_ids")
+    return " ".join(str(x) for x in ids) if isinstance(ids, list) else ""
+
+
+@dataclass(slots=True, eq=False)
+class RequestView:
+    """What a policy may see of a request. Its text is made on first use (load-based policies never ask)."""
+
+    route: str
+    model: str | None
+    body: dict[str, Any]
+    session: str | None = None
+    notes: list[str] = field(default_factory=list)  # why the policy chose as it did, when that is news (traces)
+    prefix: list[int] | None = None  # the text's block hashes (PrefixIndex), made once
+    _text: str | None = None
+
+    @property
+    def text(self) -> str:
+        if self._text is None:
+            self._text = prompt_text(self.route, self.body)
+        return self._text
+
+
+NO_REQUEST = RequestView("", None, {})
+
 
 class Policy(abc.ABC):
     name = "base"
+    decisions: dict[str, int] = {}  # what decided, counted (a metric); the load-based policies count nothing
 
     @abc.abstractmethod
-    def select(self, loads: Sequence[int]) -> int | None:
-        """Index of the chosen worker given each candidate's live load, or None if there is none."""
+    def select(self, workers: Sequence[Candidate], req: RequestView = NO_REQUEST) -> int | None:
+        """Index of the chosen worker, or None if there is none."""
 
-    def pick(self, candidates: Sequence[W]) -> W | None:
-        i = self.select([c.load for c in candidates])
+    def pick(self, candidates: Sequence[W], req: RequestView = NO_REQUEST) -> W | None:
+        i = self.select(candidates, req)
         return None if i is None else candidates[i]
 
+    def dispatched(self, worker: str, req: RequestView) -> None:  # noqa: B027 (a hook: most policies ignore it)
+        """An attempt of ``req`` was sent to ``worker``."""
 
-class RoundRobin(Policy):
+    def completed(self, worker: str, req: RequestView, ok: bool) -> None:  # noqa: B027
+        """That attempt ended (``ok``: it answered)."""
+
+    def forget(self, worker: str) -> None:  # noqa: B027
+        """``worker`` was removed, went down or restarted: what it held is gone."""
+
+
+class LoadPolicy(Policy):
+    """A policy that needs only the loads."""
+
+    def select(self, workers: Sequence[Candidate], req: RequestView = NO_REQUEST) -> int | None:
+        return self.by_load([w.load for w in workers])
+
+    @abc.abstractmethod
+    def by_load(self, loads: Sequence[int]) -> int | None:
+        """Index of the chosen worker given each candidate's live load."""
+
+
+class RoundRobin(LoadPolicy):
     name = "round_robin"
 
-    def __init__(self) -> None:
+    def __init__(self, cfg: RoutingConfig | None = None) -> None:
         self._next = 0
 
-    def select(self, loads: Sequence[int]) -> int | None:
+    def by_load(self, loads: Sequence[int]) -> int | None:
         if not loads:
             return None
         i = self._next % len(loads)
@@ -46,15 +150,15 @@ class RoundRobin(Policy):
         return i
 
 
-class LeastLoaded(Policy):
+class LeastLoaded(LoadPolicy):
     """Fewest live requests of ours; ties broken in turn so equal workers share."""
 
     name = "least_loaded"
 
-    def __init__(self) -> None:
+    def __init__(self, cfg: RoutingConfig | None = None) -> None:
         self._turn = 0
 
-    def select(self, loads: Sequence[int]) -> int | None:
+    def by_load(self, loads: Sequence[int]) -> int | None:
         if not loads:
             return None
         low = min(loads)
@@ -63,13 +167,13 @@ class LeastLoaded(Policy):
         return ties[self._turn % len(ties)]
 
 
-class PowerOfTwo(Policy):
+class PowerOfTwo(LoadPolicy):
     name = "power_of_two"
 
-    def __init__(self, rng: Callable[[int, int], int] | None = None) -> None:
+    def __init__(self, cfg: RoutingConfig | None = None, rng: Callable[[int, int], int] | None = None) -> None:
         self._rng = rng or random.randint
 
-    def select(self, loads: Sequence[int]) -> int | None:
+    def by_load(self, loads: Sequence[int]) -> int | None:
         if not loads:
             return None
         if len(loads) == 1:
@@ -80,24 +184,184 @@ class PowerOfTwo(Policy):
         return a if loads[a] <= loads[b] else b
 
 
-POLICIES: dict[str, Callable[[], Policy]] = {
+def imbalanced(load: int, low: int, cfg: RoutingConfig) -> bool:
+    """SGLang router's rule: a worker is over the others when it holds more than ``balance_abs`` above the least
+    loaded and more than ``balance_rel`` times it."""
+    return load - low > cfg.balance_abs and load > low * cfg.balance_rel
+
+
+class Session(Policy):
+    """Sticky by session key (module docstring). Requests without one go to the least loaded. The map keeps the
+    ``max_sessions`` most recently used sessions."""
+
+    name = "session"
+
+    def __init__(self, cfg: RoutingConfig | None = None) -> None:
+        self.cfg = cfg or RoutingConfig()
+        self.sticky: OrderedDict[str, tuple[str, int]] = OrderedDict()  # session -> (worker id, its epoch then)
+        self.epochs: dict[str, int] = {}  # worker id -> times it lost its cache (went down, restarted)
+        self._fallback = LeastLoaded()
+        self.decisions = {"sticky": 0, "moved": 0, "new": 0, "none": 0}
+
+    def select(self, workers: Sequence[Candidate], req: RequestView = NO_REQUEST) -> int | None:
+        if not workers:
+            return None
+        key = req.session
+        loads = [w.load for w in workers]
+        was, epoch = self.sticky.get(key, (None, 0)) if key is not None else (None, 0)
+        if was is not None:
+            i = next((i for i, w in enumerate(workers) if w.id == was), None)
+            if i is None:
+                why = "unavailable"
+            elif epoch != self.epochs.get(was, 0):
+                why = "lost its cache since (down or restarted)"
+            elif imbalanced(loads[i], min(loads), self.cfg):
+                why = f"over the balance thresholds (load {loads[i]}, least {min(loads)})"
+            else:
+                self.decisions["sticky"] += 1
+                return i
+            if i is not None and len(workers) > 1:  # a move goes elsewhere
+                rest = [k for k in range(len(workers)) if k != i]
+                j = rest[self._fallback.by_load([loads[k] for k in rest]) or 0]
+            else:
+                j = self._fallback.by_load(loads) or 0
+            self.decisions["moved"] += 1
+            req.notes.append(f"session moved from {was} to {workers[j].id}: {was} {why}")
+            return j
+        self.decisions["new" if key is not None else "none"] += 1
+        return self._fallback.by_load(loads)
+
+    def dispatched(self, worker: str, req: RequestView) -> None:
+        key = req.session
+        if key is None:
+            return
+        self.sticky[key] = (worker, self.epochs.get(worker, 0))
+        self.sticky.move_to_end(key)
+        while len(self.sticky) > self.cfg.max_sessions:
+            self.sticky.popitem(last=False)
+
+    def forget(self, worker: str) -> None:
+        self.epochs[worker] = self.epochs.get(worker, 0) + 1  # its sessions move on their next request
+
+
+class PrefixIndex:
+    """An approximate prefix tree of what each worker was sent. A text is cut into blocks of ``block_chars``;
+    block i's hash covers blocks 0..i, so it names a node of the tree (the whole prefix up to there), and the
+    longest prefix a worker holds is the number of leading hashes found in its set. Each worker keeps at most
+    ``max_blocks`` hashes, least recently sent first out; a text's blocks are touched leaf first, so a prefix's
+    root is evicted after its branches (an evicted root would orphan every branch below it)."""
+
+    def __init__(self, block_chars: int, max_blocks: int, max_text_blocks: int = 4096) -> None:
+        self.block = block_chars
+        self.max_blocks = max_blocks
+        self.max_text_blocks = max_text_blocks  # a longer text is indexed by its first this many blocks
+        self.by_worker: dict[str, OrderedDict[int, None]] = {}
+
+    def hashes(self, text: str) -> list[int]:
+        b = self.block
+        out: list[int] = []
+        h = 0
+        for start in range(0, min(len(text), b * self.max_text_blocks), b):
+            h = hash((h, text[start:start + b]))
+            out.append(h)
+        return out
+
+    def match(self, worker: str, hashes: Sequence[int]) -> int:
+        held = self.by_worker.get(worker)
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def insert(self, worker: str, hashes: Sequence[int]) -> None:
+        held = self.by_worker.setdefault(worker, OrderedDict())
+        for h in reversed(hashes):
+            if h in held:
+                held.move_to_end(h)
+            else:
+                held[h] = None
+        while len(held) > self.max_blocks:
+            held.popitem(last=False)
+
+    def size(self, worker: str) -> int:
+        return len(self.by_worker.get(worker, ()))
+
+    def forget(self, worker: str) -> None:
+        self.by_worker.pop(worker, None)
+
+
+class CacheAware(Policy):
+    """The worker holding the longest prefix of the request (module docstring)."""
+
+    name = "cache_aware"
+
+    def __init__(self, cfg: RoutingConfig | None = None) -> None:
+        self.cfg = cfg or RoutingConfig()
+        self.index = PrefixIndex(self.cfg.block_chars, self.cfg.max_blocks)
+        self.decisions = {"cache": 0, "new": 0, "balance": 0}
+
+    def prefix(self, req: RequestView) -> list[int]:
+        if req.prefix is None:
+            req.prefix = self.index.hashes(req.text)
+        return req.prefix
+
+    def select(self, workers: Sequence[Candidate], req: RequestView = NO_REQUEST) -> int | None:
+        if not workers:
+            return None
+        if len(workers) == 1:
+            return 0
+        loads = [w.load for w in workers]
+        low = min(loads)
+        if imbalanced(max(loads), low, self.cfg):  # a hot prefix must not pile onto one worker
+            self.decisions["balance"] += 1
+            i = min(range(len(workers)), key=lambda k: (loads[k], self.index.size(workers[k].id)))
+            req.notes.append(f"cache_aware: loads out of balance ({max(loads)} vs {low}); least loaded {workers[i].id}")
+            return i
+        hs = self.prefix(req)
+        matches = [self.index.match(w.id, hs) for w in workers]
+        best = max(matches)
+        if hs and (best / len(hs) >= self.cfg.cache_threshold or best * self.index.block >= self.cfg.cache_min_chars):
+            self.decisions["cache"] += 1
+            return min((k for k in range(len(workers)) if matches[k] == best), key=lambda k: loads[k])
+        self.decisions["new"] += 1  # nobody holds enough of it: the worker holding least gets it
+        return min(range(len(workers)), key=lambda k: (self.index.size(workers[k].id), loads[k]))
+
+    def dispatched(self, worker: str, req: RequestView) -> None:
+        self.index.insert(worker, self.prefix(req))
+
+    def forget(self, worker: str) -> None:
+        self.index.forget(worker)
+
+
+POLICIES: dict[str, Callable[[RoutingConfig], Policy]] = {
     RoundRobin.name: RoundRobin,
     LeastLoaded.name: LeastLoaded,
     PowerOfTwo.name: PowerOfTwo,
+    Session.name: Session,
+    CacheAware.name: CacheAware,
 }
+REQUEST_AWARE = frozenset({Session.name, CacheAware.name})  # for the prefill choice; decode stays load-based
 
 
-def make(name: str) -> Policy:
-    return POLICIES[name]()
+def make(name: str, cfg: RoutingConfig | None = None) -> Policy:
+    return POLICIES[name](cfg or RoutingConfig())
 
 
 def select_pair(prefills: Sequence[W], decodes: Sequence[W], prefill_policy: Policy, decode_policy: Policy,
-                avoid: frozenset[int] = frozenset()) -> tuple[W, W] | None:
+                avoid: frozenset[int] = frozenset(), req: RequestView = NO_REQUEST) -> tuple[W, W] | None:
     """Pick a (prefill, decode) pair; workers whose id() is in ``avoid`` are used only if nothing else is left."""
     def pool(ws: Sequence[W]) -> Sequence[W]:
         fresh = [w for w in ws if id(w) not in avoid]
         return fresh or ws
 
-    p = prefill_policy.pick(pool(prefills))
-    d = decode_policy.pick(pool(decodes))
-    return None if p is None or d is None else (p, d)
+    said = len(req.notes)
+    p = prefill_policy.pick(pool(prefills), req)
+    d = decode_policy.pick(pool(decodes), req) if p is not None else None
+    if p is None or d is None:
+        del req.notes[said:]  # no pair: nothing was decided (a queued request is picked for again and again)
+        return None
+    return p, d

@@ -14,7 +14,7 @@ import asyncio
 from typing import Any
 
 from h1lite.server import ClientGone, Request, Response, Stream
-from pdgate import admission, attempt, outcome
+from pdgate import admission, attempt, outcome, policies
 from pdgate.errors import GatewayError
 from pdgate.gateway import Gateway
 from pdgate.record import Phase, Record
@@ -25,7 +25,8 @@ CLIENT_GONE = Reason(Cause.CLIENT_GONE)
 
 
 class Ctx:
-    __slots__ = ("body", "gw", "merge_logprobs", "rec", "request", "resp", "route", "scope", "stream_error", "watchdog")
+    __slots__ = ("body", "gw", "merge_logprobs", "rec", "request", "resp", "route", "scope", "stream_error", "view",
+                 "watchdog")
 
     def __init__(self, gw: Gateway, request: Request, rec: Record, route: str, body: dict[str, Any]) -> None:
         self.gw = gw
@@ -33,6 +34,8 @@ class Ctx:
         self.rec = rec
         self.route = route
         self.body = body
+        session = policies.session_key(rec.tenant, request.headers.get(gw.cfg.routing.session_header), body)
+        self.view = policies.RequestView(route, rec.model, body, session)  # what the policies see of it
         self.resp: Stream | None = None
         self.stream_error: str | None = None
         self.merge_logprobs = attempt.wants_logprobs(route, body)

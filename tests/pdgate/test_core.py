@@ -110,18 +110,19 @@ def test_deadline_precedence_and_caps() -> None:
 
 
 class W:
-    def __init__(self, load: int) -> None:
+    def __init__(self, load: int, wid: str = "w") -> None:
         self.load = load
+        self.id = wid
 
 
 def test_policies() -> None:
     rr = policies.make("round_robin")
-    assert [rr.select([0, 0, 0]) for _ in range(4)] == [0, 1, 2, 0]
+    assert [rr.select([W(0), W(0), W(0)]) for _ in range(4)] == [0, 1, 2, 0]
     ll = policies.make("least_loaded")
-    assert ll.select([3, 1, 2]) == 1
-    assert {ll.select([1, 1, 5]) for _ in range(4)} == {0, 1}
+    assert ll.select([W(3), W(1), W(2)]) == 1
+    assert {ll.select([W(1), W(1), W(5)]) for _ in range(4)} == {0, 1}
     p2 = policies.PowerOfTwo(rng=lambda a, b: 0)  # samples workers 0 and 1, keeps the less loaded
-    assert p2.select([5, 1, 2]) == 1 and p2.select([1, 5, 2]) == 0 and p2.select([7]) == 0
+    assert p2.by_load([5, 1, 2]) == 1 and p2.by_load([1, 5, 2]) == 0 and p2.by_load([7]) == 0
     for name in config.POLICIES:
         assert policies.make(name).select([]) is None
     a, b, c = W(0), W(0), W(0)
