@@ -137,6 +137,7 @@ class SimConfig:
     unsafe_kernel: bool = False
     disconnect_notice_s: float = 4.0
     extension: bool = True  # serve GET /pdgate/v1/requests (off: look like plain SGLang)
+    prefix_cache_tokens: int = 1_000_000  # the prefill's prefix cache (0: off, as SGLang's --disable-radix-cache)
     max_running_requests: int = 1024  # reported in /server_info as SGLang does (gateways read it as a capacity)
     api_key: str | None = None  # SGLang's --api-key: every route but /health*, /ready*, /metrics wants it
 
@@ -173,6 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-buffer-mb", type=int, default=64, help="nixl: registered DRAM buffer per worker")
     p.add_argument("--no-extension", action="store_true",
                    help="do not serve GET /pdgate/v1/requests nor the pdgate fields of /server_info (like plain SGLang)")
+    p.add_argument("--prefix-cache-tokens", type=int, default=1_000_000,
+                   help="the prefill's prefix cache, in tokens (0: off, as SGLang's --disable-radix-cache)")
+    p.add_argument("--prefill-per-token-us", type=float, default=None,
+                   help="prefill compute per uncached prompt token, microseconds (default 2)")
     p.add_argument("--max-running-requests", type=int, default=1024,
                    help="reported in /server_info as SGLang's resolved server arg (a gateway's capacity hint)")
     p.add_argument("--api-key", default=os.environ.get("SIM_API_KEY") or None,
@@ -192,7 +197,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         model=args.model,
         transfer_backend=args.transfer_backend,
         fixes=parse_fixes(args.fixes),
-        timing=Timing(speed=args.speed),
+        timing=Timing(speed=args.speed) if args.prefill_per_token_us is None else
+        Timing(speed=args.speed, prefill_per_token=args.prefill_per_token_us * 1e-6),
         max_context=args.max_context,
         kv_bytes_per_token=args.kv_bytes_per_token,
         kv_budget_tokens=args.kv_budget_tokens,
@@ -200,6 +206,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         extension=not args.no_extension,
         api_key=args.api_key,
         max_running_requests=args.max_running_requests,
+        prefix_cache_tokens=args.prefix_cache_tokens,
     )
     for item in args.fault:
         name, sep, value = item.partition("=")

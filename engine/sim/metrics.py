@@ -41,6 +41,7 @@ _COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens"),
     "generation_tokens": ("generation_tokens", "Generated tokens"),
     "num_prefill_forwards": ("prefill_forwards", "Prefill forwards computed (the sim's own counter)"),
+    "cached_tokens": ("cached_tokens", "Prompt tokens found in the prefix cache"),
 }
 
 
@@ -56,6 +57,9 @@ class EngineCollector(Collector):
             g = GaugeMetricFamily(f"sglang:{name}", name.replace("_", " "), labels=LABELS)
             g.add_metric(labels, float(sum(counts.get(q, 0) for q in queues)))
             yield g
+        hit = GaugeMetricFamily("sglang:cache_hit_rate", "Prefix cache hit rate (prompt tokens)", labels=LABELS)
+        hit.add_metric(labels, self.engine.cache.hit_rate)
+        yield hit
         for name, (attr, doc) in _COUNTERS.items():
             c = CounterMetricFamily(f"sglang:{name}", doc, labels=LABELS)
             c.add_metric(labels, float(getattr(self.engine.counters, attr)))

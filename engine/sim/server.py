@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from engine.sim import metrics
+from engine.sim import agent, metrics
 from engine.sim.config import FIXES, SimConfig, parse_fixes
 from engine.sim.text import chat_prompt, token_ids, token_logprob
 from engine.sim.worker import Engine, EngineError, SimRequest, make_request
@@ -27,7 +27,8 @@ from h1lite.server import Handler, Request, Response, Router, Server, Stream, js
 from pdgate import protocol as p
 
 log = logging.getLogger("engine.sim.server")
-UNSUPPORTED = ("best_of", "suffix", "echo", "logit_bias", "tools", "functions")
+UNSUPPORTED = ("best_of", "suffix", "echo", "logit_bias", "functions")
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound
 MAX_BODY = 256 * 1024 * 1024
 SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
@@ -58,6 +59,18 @@ class Parsed:
         self.stream = bool(body.get("stream", False))
         self.include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         self.return_logprob = bool(body.get("return_logprob") or body.get("logprobs"))
+        # OpenAI's logprobs: chat says logprobs true and top_logprobs n; completions says logprobs n
+        self.top_logprobs = 0
+        self.logprobs = route != "/generate" and self.return_logprob
+        top = body.get("top_logprobs") if route == "/v1/chat/completions" else body.get("logprobs")
+        if top not in (None, True, False):
+            if not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise EngineError(400, f"top_logprobs must be an integer within [0, {MAX_TOP_LOGPROBS}], got {top!r}")
+            self.top_logprobs = top
+        seed = body.get("seed") if route != "/generate" else (body.get("sampling_params") or {}).get("sampling_seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise EngineError(400, f"seed must be an integer, got {seed!r}")
+        self.seed = seed
         if route == "/generate":
             sp = body.get("sampling_params") or {}
             if "text" in body:
@@ -90,7 +103,12 @@ class Parsed:
             raise EngineError(400, f"temperature must be within [0, 2], got {temp!r}")
         self.prompt = prompt
         self.max_tokens = max_tokens
+        self.temperature = float(temp)
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
+        try:
+            self.script = agent.script_for(body, prompt, max_tokens) if route == "/v1/chat/completions" else None
+        except agent.BadRequest as exc:
+            raise EngineError(400, str(exc)) from None
 
 
 # ---- how bytes leave: whole, or re-segmented (fault "segment") ----------------------------
@@ -146,7 +164,7 @@ def _meta(req: SimRequest, tokens: list[str], finish: dict[str, Any] | None, log
         "finish_reason": finish,
         "prompt_tokens": req.prompt_tokens,
         "completion_tokens": len(tokens),
-        "cached_tokens": 0,
+        "cached_tokens": req.cached_tokens,
         "e2e_latency": round(time.monotonic() - req.created, 6),
     }
     if logprobs:
@@ -156,8 +174,44 @@ def _meta(req: SimRequest, tokens: list[str], finish: dict[str, Any] | None, log
     return meta
 
 
-def _usage(req: SimRequest, n: int) -> dict[str, int]:
-    return {"prompt_tokens": req.prompt_tokens, "completion_tokens": n, "total_tokens": req.prompt_tokens + n}
+def _usage(req: SimRequest, n: int) -> dict[str, Any]:
+    return {"prompt_tokens": req.prompt_tokens, "completion_tokens": n, "total_tokens": req.prompt_tokens + n,
+            "prompt_tokens_details": {"cached_tokens": req.cached_tokens}}
+
+
+def _entry(token: str, lp: float) -> dict[str, Any]:
+    return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+
+def _token_logprobs(ps: Parsed, req: SimRequest, start: int, tokens: list[str]) -> list[dict[str, Any]]:
+    """OpenAI chat logprobs of ``tokens`` (output steps ``start``...): scripted tokens are certain."""
+    out = []
+    for i, t in enumerate(tokens, start):
+        if req.script is not None:
+            e = _entry(t, 0.0)
+            e["top_logprobs"] = [_entry(t, 0.0)][:ps.top_logprobs]
+        else:
+            e = _entry(t, req.sampler.logprob(i, t))
+            e["top_logprobs"] = [_entry(w, lp) for w, lp in req.sampler.top(i, ps.top_logprobs)]
+        out.append(e)
+    return out
+
+
+def _completion_logprobs(ps: Parsed, req: SimRequest, start: int, tokens: list[str], offset: int) -> dict[str, Any]:
+    entries = _token_logprobs(ps, req, start, tokens)
+    offsets = []
+    for t in tokens:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{x["token"]: x["logprob"] for x in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets}
+
+
+def _finish_reason(req: SimRequest, finish: dict[str, Any] | None) -> str | None:
+    if finish is not None and finish["type"] == "stop" and req.script is not None and req.script.call is not None:
+        return "tool_calls"
+    return _finish(finish)
 
 
 def full_body(ps: Parsed, req: SimRequest, tokens: list[str], finish: dict[str, Any] | None, model: str, role: str) -> dict[str, Any]:
@@ -166,10 +220,18 @@ def full_body(ps: Parsed, req: SimRequest, tokens: list[str], finish: dict[str, 
         return {"text": text, "meta_info": _meta(req, tokens, finish, ps.return_logprob, role)}
     created = int(time.time())
     if ps.route == "/v1/chat/completions":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": _finish(finish)}
+        call = req.script.call if req.script is not None else None
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if call is not None:
+            message = {"role": "assistant", "content": None, "tool_calls": [
+                {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": text}}]}
+        lps = {"content": _token_logprobs(ps, req, 0, tokens)} if ps.logprobs else None
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": lps,
+                                  "finish_reason": _finish_reason(req, finish)}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _finish(finish)}
+        lps = _completion_logprobs(ps, req, 0, tokens, 0) if ps.logprobs else None
+        choice = {"index": 0, "text": text, "logprobs": lps, "finish_reason": _finish(finish)}
         obj = "text_completion"
     return {"id": req.rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": _usage(req, len(tokens))}
 
@@ -178,12 +240,22 @@ def chunk(ps: Parsed, req: SimRequest, tokens: list[str], new: str, finish: dict
     if ps.route == "/generate":
         obj: dict[str, Any] = {"text": "".join(tokens), "meta_info": _meta(req, tokens, finish, ps.return_logprob, role)}
     elif ps.route == "/v1/chat/completions":
-        delta = {"role": "assistant", "content": new} if len(tokens) <= 1 else {"content": new}
+        first = len(tokens) <= 1
+        call = req.script.call if req.script is not None else None
+        if call is None:
+            delta: dict[str, Any] = {"role": "assistant", "content": new} if first else {"content": new}
+        elif first:  # the first delta names the call, later ones carry pieces of its arguments
+            delta = {"role": "assistant", "content": None, "tool_calls": [
+                {"index": 0, "id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": new}}]}
+        else:
+            delta = {"tool_calls": [{"index": 0, "function": {"arguments": new}}]}
+        lps = {"content": _token_logprobs(ps, req, len(tokens) - 1, [new])} if ps.logprobs else None
         obj = {"id": req.rid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-               "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": _finish(finish)}]}
+               "choices": [{"index": 0, "delta": delta, "logprobs": lps, "finish_reason": _finish_reason(req, finish)}]}
     else:
+        lps = _completion_logprobs(ps, req, len(tokens) - 1, [new], sum(map(len, tokens[:-1]))) if ps.logprobs else None
         obj = {"id": req.rid, "object": "text_completion", "created": int(time.time()), "model": model,
-               "choices": [{"index": 0, "text": new, "logprobs": None, "finish_reason": _finish(finish)}]}
+               "choices": [{"index": 0, "text": new, "logprobs": lps, "finish_reason": _finish(finish)}]}
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
@@ -215,7 +287,7 @@ def generate_handler(engine: Engine, route: str) -> Handler:
             ps = Parsed(route, body, cfg)
             if body.get(p.BOOTSTRAP_ROOM) is None:
                 raise EngineError(400, f"{cfg.role} worker runs in PD mode: bootstrap_room is required")
-            req = make_request(body, ps.prompt, ps.max_tokens, ps.stop)
+            req = make_request(body, ps.prompt, ps.max_tokens, ps.stop, ps.seed, ps.temperature, ps.script)
             if req.bootstrap_port is None:
                 req.bootstrap_port = cfg.bootstrap_port
             if req.prompt_tokens + ps.max_tokens > cfg.max_context:
@@ -376,6 +448,7 @@ def build_router(engine: Engine) -> Router:
         return Response(metrics.render(registry), content_type=metrics.CONTENT_TYPE)
 
     async def flush_cache(_: Request) -> Response:
+        engine.cache.flush()
         return text("Cache flushed.\n")
 
     async def ext_requests(_: Request) -> Response:

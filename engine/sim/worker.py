@@ -24,8 +24,10 @@ from typing import Any, TypeVar
 import orjson
 
 from engine.sim import kv
+from engine.sim.agent import Script
+from engine.sim.cache import PrefixCache
 from engine.sim.config import SimConfig
-from engine.sim.text import count_tokens, words
+from engine.sim.text import Sampler, count_tokens
 from h1lite.client import Client
 
 log = logging.getLogger("engine.sim")
@@ -68,12 +70,24 @@ class SimRequest:
     finish: dict[str, Any] | None = None
     progress: asyncio.Event = field(default_factory=asyncio.Event)
     kv_header: asyncio.Future[dict[str, Any]] | None = None
-    _words: Any = None
+    seed: int | None = None
+    temperature: float = 1.0
+    script: Script | None = None  # a scripted answer (a tool call, JSON): engine.sim.agent
+    cached_tokens: int = 0  # of the prompt, found in the prefill's prefix cache
+    _sampler: Sampler | None = None
+    _step: int = 0
+
+    @property
+    def sampler(self) -> Sampler:
+        if self._sampler is None:
+            self._sampler = Sampler(self.prompt, self.seed, self.temperature)
+        return self._sampler
 
     def next_word(self) -> str:
-        if self._words is None:
-            self._words = words(self.prompt)
-        return str(next(self._words))
+        if self.script is not None:
+            i, self._step = self._step, self._step + 1
+            return self.script.tokens[i] if i < len(self.script.tokens) else ""
+        return self.sampler.next()
 
     @property
     def context(self) -> int:
@@ -93,6 +107,7 @@ class Counters:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prefill_forwards = 0  # prefills computed (work done, whether anyone received it or not)
+        self.cached_tokens = 0  # prompt tokens found in the prefix cache (not computed)
 
 
 class Engine:
@@ -106,6 +121,7 @@ class Engine:
         self.unfrozen.set()
         self.segment_rng = random.Random(int(cfg.faults.segment_seed))  # reseeded when the fault is set
         self._forward = asyncio.Lock()
+        self.cache = PrefixCache(cfg.prefix_cache_tokens if cfg.role == "prefill" else 0)
         # prefill: room -> future of the decode's destination
         self._rooms: dict[int, asyncio.Future[dict[str, Any]]] = {}
         # decode
@@ -247,8 +263,15 @@ class Engine:
             self.enter(req, "waiting")
             async with self._forward:
                 self.enter(req, "forward")
-                delay = self.cfg.timing.prefill_s(req.prompt_tokens) + self.cfg.faults.slow_prefill
+                keys = self.cache.keys(req.prompt) if self.cache.capacity_blocks else []
+                # as SGLang: the cached prefix is not computed again, the last prompt token always is
+                cached = min(self.cache.cached(keys), req.prompt_tokens - 1) if keys else 0
+                delay = self.cfg.timing.prefill_s(req.prompt_tokens - cached) + self.cfg.faults.slow_prefill
                 await asyncio.sleep(delay)
+                self.cache.insert(keys)
+                self.cache.account(req.prompt_tokens, cached)
+                req.cached_tokens = cached
+                self.counters.cached_tokens += cached
                 self.counters.prefill_forwards += 1
             first = req.next_word()
             self.enter(req, "inflight")
@@ -270,7 +293,7 @@ class Engine:
 
     async def _transfer(self, req: SimRequest, dest: dict[str, Any], first: str) -> None:
         payload = kv.kv_payload(req.prompt_tokens * self.cfg.kv_bytes_per_token, req.room or 0)
-        header = {"room": req.room, "rid": req.rid, "first_token": first}
+        header = {"room": req.room, "rid": req.rid, "first_token": first, "cached_tokens": req.cached_tokens}
         send = asyncio.ensure_future(self.sender.send(dest, header, payload))
         watchdog = self.cfg.inflight_timeout if "C" in self.cfg.fixes else None
         try:
@@ -326,6 +349,7 @@ class Engine:
                 await asyncio.sleep(self.cfg.faults.slow_first_token)
             req.next_word()  # the prefill computed the first token; skip it here
             req.tokens.append(header["first_token"])
+            req.cached_tokens = int(header.get("cached_tokens") or 0)
             self.counters.generation_tokens += 1
             self._check_finish(req)
             req.progress.set()
@@ -383,6 +407,9 @@ class Engine:
             await req.progress.wait()
 
     def _check_finish(self, req: SimRequest) -> None:
+        if req.script is not None and len(req.tokens) >= len(req.script.tokens):
+            req.finish = {"type": "stop", "matched": None}
+            return
         text = "".join(req.tokens)
         for s in req.stop:
             if s and s in text:
@@ -416,7 +443,8 @@ class Engine:
             self._running = [r for r in self._running if r.finish is None]
 
 
-def make_request(body: dict[str, Any], prompt: str, max_tokens: int, stop: list[str]) -> SimRequest:
+def make_request(body: dict[str, Any], prompt: str, max_tokens: int, stop: list[str], seed: int | None = None,
+                 temperature: float = 1.0, script: Script | None = None) -> SimRequest:
     room = body.get("bootstrap_room")
     port = body.get("bootstrap_port")
     return SimRequest(
@@ -428,4 +456,7 @@ def make_request(body: dict[str, Any], prompt: str, max_tokens: int, stop: list[
         stop=stop,
         bootstrap_host=body.get("bootstrap_host"),
         bootstrap_port=int(port) if port is not None else None,
+        seed=seed,
+        temperature=temperature,
+        script=script,
     )
