@@ -1,10 +1,16 @@
 """``python -m loadtest agents``: multi-round agent sessions whose context grows every round.
 
-Each session is a conversation: every round sends the whole history (streaming), then
-appends the assistant's reply and a synthetic tool result of ``--growth`` tokens. Reports
-per-round TTFT/e2e percentiles and which sessions stalled or failed in which round; JSON +
-PNG. Exits 0 only if every session finished every round. Short benchmarks miss what this
-catches: a decode that stalls once contexts grow long (the seed's kernel-knob regression).
+Each session is a conversation: every round sends the whole history (streaming, with the session's
+``x-session-id``). With ``--tools`` (the default) rounds alternate as an agent's do: the user's request
+gets a tool call (the sim's rule, engine/sim/agent.py), whose result of ``--growth`` tokens goes back as a
+``tool`` message; the next round's answer is text, and a short user message follows. Without tools each
+round appends the reply and a tool output of ``--growth`` tokens as a user message. Reports per-round
+TTFT/e2e percentiles and which sessions stalled or failed in which round; JSON + PNG. Exits 0 only if
+every session finished every round. Short benchmarks miss what this catches: a decode that stalls once
+contexts grow long (the seed's kernel-knob regression).
+
+``--compare`` runs the same sessions against pdgate's policies and sglang-router's cache_aware on one set
+of sims with a prefix cache (loadtest/affinity.py).
 """
 
 from __future__ import annotations
@@ -32,12 +38,25 @@ def tool_result(rng: random.Random, tokens: int) -> str:
     return "tool output: " + " ".join(rng.choice(WORDS) for _ in range(tokens))
 
 
-async def turn(http: aiohttp.ClientSession, a: argparse.Namespace, messages: list[dict[str, Any]]) -> dict[str, Any]:
-    body = {"model": a.model, "messages": messages, "max_tokens": a.max_tokens, "stream": True}
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "read a file of the repository",
+                                          "parameters": {"type": "object", "required": ["path"], "properties": {
+                                              "path": {"type": "string"}, "lines": {"type": "integer"}}}}}]
+
+
+async def turn(http: aiohttp.ClientSession, a: argparse.Namespace, messages: list[dict[str, Any]],
+               sid: str = "") -> dict[str, Any]:
+    body: dict[str, Any] = {"model": a.model, "messages": messages, "max_tokens": a.max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    if getattr(a, "tools", False):
+        body["tools"] = TOOLS
     headers = {"x-pdgate-timeout": str(a.deadline)} if a.deadline else {}
+    if sid:
+        headers["x-session-id"] = sid
     t0 = time.monotonic()
     ttft = None
     text: list[str] = []
+    call: dict[str, str] = {}
+    usage: dict[str, Any] = {}
     try:
         async with asyncio.timeout(a.deadline + 5 if a.deadline else None):
             async with http.post(a.gateway + "/v1/chat/completions", json=body, headers=headers) as r:
@@ -50,8 +69,16 @@ async def turn(http: aiohttp.ClientSession, a: argparse.Namespace, messages: lis
                     if "error" in obj:
                         return {"ok": False, "why": obj["error"].get("message", "error event"), "ttft": ttft,
                                 "e2e": time.monotonic() - t0}
+                    usage = obj.get("usage") or usage
                     for c in obj.get("choices", []):
-                        piece = (c.get("delta") or {}).get("content")
+                        delta = c.get("delta") or {}
+                        piece = delta.get("content")
+                        for tc in delta.get("tool_calls") or ():
+                            fn = tc.get("function") or {}
+                            call["id"] = call.get("id", "") + (tc.get("id") or "")
+                            call["name"] = call.get("name", "") + (fn.get("name") or "")
+                            piece = fn.get("arguments") or piece or " "
+                            call["arguments"] = call.get("arguments", "") + (fn.get("arguments") or "")
                         if piece:
                             ttft = ttft if ttft is not None else time.monotonic() - t0
                             text.append(piece)
@@ -59,23 +86,39 @@ async def turn(http: aiohttp.ClientSession, a: argparse.Namespace, messages: lis
         return {"ok": False, "why": "client deadline: stalled", "ttft": ttft, "e2e": time.monotonic() - t0}
     except (aiohttp.ClientError, OSError) as exc:
         return {"ok": False, "why": f"{exc.__class__.__name__}: {exc}", "e2e": time.monotonic() - t0}
-    return {"ok": True, "ttft": ttft, "e2e": time.monotonic() - t0, "text": "".join(text)}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return {"ok": True, "ttft": ttft, "e2e": time.monotonic() - t0, "text": "".join(text), "call": call or None,
+            "prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": cached}
 
 
 async def session(http: aiohttp.ClientSession, a: argparse.Namespace, sid: int, rounds: list[list[dict[str, Any]]],
                   failures: list[dict[str, Any]]) -> None:
     rng = random.Random(a.seed * 1000 + sid)
-    messages: list[dict[str, Any]] = [{"role": "system", "content": f"You are agent {sid}."},
+    context = f" The repository: {tool_result(rng, a.system_tokens)}" if a.system_tokens else ""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": f"You are agent {sid}.{context}"},
                                       {"role": "user", "content": "Fix the failing build."}]
     for rnd in range(a.rounds):
-        res = await turn(http, a, messages)
+        if rnd and a.think_ms:  # the tool runs, the agent thinks: sessions drift apart as real ones do
+            await asyncio.sleep(rng.uniform(0, 2 * a.think_ms) / 1000)
+        res = await turn(http, a, messages, f"agent-{a.seed}-{sid}")
         res["session"] = sid
-        res["context_words"] = sum(len(str(m["content"]).split()) for m in messages)
+        res["context_words"] = sum(len(str(m.get("content") or "").split()) for m in messages)
         rounds[rnd].append(res)
         if not res["ok"]:
             failures.append({"session": sid, "round": rnd + 1, "why": res["why"], "context_words": res["context_words"]})
             return
-        messages += [{"role": "assistant", "content": res.pop("text")}, {"role": "user", "content": tool_result(rng, a.growth)}]
+        call = res.pop("call")
+        text = res.pop("text")
+        res["tool_call"] = call is not None
+        if call is not None:  # the model asked for a tool: its result goes back
+            messages += [{"role": "assistant", "content": None, "tool_calls": [
+                             {"id": call.get("id", ""), "type": "function",
+                              "function": {"name": call.get("name", ""), "arguments": call.get("arguments", "")}}]},
+                         {"role": "tool", "tool_call_id": call.get("id", ""), "content": tool_result(rng, a.growth)}]
+        elif getattr(a, "tools", False):  # the model answered: the user asks for the next step
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Go on: next file."}]
+        else:
+            messages += [{"role": "assistant", "content": text}, {"role": "user", "content": tool_result(rng, a.growth)}]
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -102,12 +145,18 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     per_round = []
     for i, rs in enumerate(rounds):
         ok = [r for r in rs if r["ok"]]
-        per_round.append({"round": i + 1, "requests": len(rs), "ok": len(ok),
+        prompt = sum(r.get("prompt_tokens") or 0 for r in ok)
+        cached = sum(r.get("cached_tokens") or 0 for r in ok)
+        per_round.append({"round": i + 1, "requests": len(rs), "ok": len(ok), "tool_calls": sum(1 for r in ok if r.get("tool_call")),
+                          "prompt_tokens": prompt, "cached_tokens": cached,
                           "context_words_median": statistics.median(r["context_words"] for r in rs) if rs else None,
                           "ttft_p50_ms": pct([r.get("ttft") for r in ok], 0.5), "ttft_p95_ms": pct([r.get("ttft") for r in ok], 0.95),
+                          "ttft_p99_ms": pct([r.get("ttft") for r in ok], 0.99),
                           "e2e_p50_ms": pct([r["e2e"] for r in ok], 0.5), "e2e_p95_ms": pct([r["e2e"] for r in ok], 0.95)})
+    ttfts = [r.get("ttft") for rs in rounds for r in rs if r["ok"]]
     return {"gateway": a.gateway, "sessions": a.sessions, "rounds": a.rounds, "growth": a.growth, "deadline": a.deadline,
-            "seconds": round(time.monotonic() - t0, 2), "per_round": per_round,
+            "tools": bool(getattr(a, "tools", False)), "seconds": round(time.monotonic() - t0, 2),
+            "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99), "per_round": per_round,
             "failures": sorted(failures, key=lambda f: (f["round"], f["session"])),
             "verdict": "PASS" if not failures else "FAIL"}
 
@@ -147,11 +196,31 @@ def plot(out: dict[str, Any], path: Path) -> None:
 
 
 def add_parser(sub: Any) -> None:
+    from loadtest import affinity
+
     p = sub.add_parser("agents", help="multi-round agent sessions with growing context")
-    p.add_argument("--gateway", required=True)
+    p.add_argument("--gateway", help="the gateway to drive (not with --compare, which starts its own)")
+    p.add_argument("--tools", action=argparse.BooleanOptionalAction, default=True,
+                   help="rounds alternate tool call / answer as an agent's do (default on)")
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--growth", type=int, default=2000, help="tokens of tool output appended per round")
     p.add_argument("--deadline", type=float, default=120, help="per-request deadline, seconds (sent as x-pdgate-timeout)")
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--system-tokens", type=int, default=0,
+                   help="tokens of the session's own context in its system message (a coding agent's repository files)")
+    p.add_argument("--think-ms", type=float, default=100,
+                   help="mean pause between a session's rounds (uniform in 0..2x), ms: tools take time to run")
+    affinity.add_flags(p)
     verdict_command(p, "agents", run, report, plot)
+    single = p.get_default("func")
+
+    def main(a: argparse.Namespace) -> None:
+        if a.compare:
+            affinity.main(a)
+        elif not a.gateway:
+            p.error("--gateway is required (or --compare)")
+        else:
+            single(a)
+
+    p.set_defaults(func=main)

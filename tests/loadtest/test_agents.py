@@ -1,4 +1,5 @@
-"""agents catches the unsafe kernel profile's long-context stall and passes on the safe one."""
+"""agents catches the unsafe kernel profile's long-context stall and passes on the safe one; agents --compare runs
+the same sessions through each policy and sglang-router."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ async def test_agents_catch_the_long_context_stall(procs: Procs, gateways: list[
     out = tmp_path / "agents.json"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "loadtest", "agents", "--gateway", g.url, "--sessions", "4", "--rounds", "5",
-        "--growth", "120", "--deadline", "2", "--max-tokens", "8", "--out", str(out), cwd=ROOT,
+        "--growth", "120", "--deadline", "2", "--max-tokens", "8", "--no-tools", "--think-ms", "0", "--out", str(out), cwd=ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     stdout, _ = await asyncio.wait_for(proc.communicate(), 90)
     report = json.loads(out.read_text())
@@ -39,3 +40,23 @@ async def test_agents_catch_the_long_context_stall(procs: Procs, gateways: list[
         assert all("deadline" in f["why"] for f in report["failures"]), report["failures"]
     else:
         assert proc.returncode == 0 and report["verdict"] == "PASS" and rounds_ok == [4] * 5, stdout.decode()[-2000:]
+
+
+async def test_agents_compare_runs_every_policy_and_the_router(tmp_path: Path) -> None:
+    out = tmp_path / "compare.json"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "loadtest", "agents", "--compare", "--sessions", "2", "--rounds", "4",
+        "--system-tokens", "2000", "--growth", "200", "--think-ms", "20", "--max-tokens", "4", "--out", str(out),
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    stdout, _ = await asyncio.wait_for(proc.communicate(), 150)
+    report = json.loads(out.read_text())
+    assert out.with_suffix(".png").exists()
+    assert list(report["targets"]) == ["round_robin", "least_loaded", "session", "cache_aware",
+                                       "sglang-router cache_aware"], stdout.decode()[-2000:]
+    for name, t in report["targets"].items():
+        assert not t["failures"] and sum(r["ok"] for r in t["per_round"]) == 8, name
+        assert sum(r["tool_calls"] for r in t["per_round"]) == 4, "rounds 1 and 3 of each session are tool calls"
+        assert t["prefill_prompt_tokens"] > 2 * 4 * 2000
+    for name in ("session", "cache_aware"):  # round 1 is cold; rounds 2-4 find their history
+        assert report["targets"][name]["cache_hit_rate"] > 0.6, report["targets"][name]
+    assert proc.returncode == (0 if report["verdict"] == "PASS" else 1)
