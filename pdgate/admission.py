@@ -164,10 +164,10 @@ class Gate:
         gw = self.gw
         fut: asyncio.Future[Pair] = asyncio.get_running_loop().create_future()
         e.item = (fut, avoid, view)
-        self.queue.push(e)
-        self.rates.waiting(gw.now(), True)
-        self.pump()  # a slot may be free already (a back-off or a breaker's cooldown that ended)
         try:
+            self.queue.push(e)
+            self.rates.waiting(gw.now(), True)
+            self.pump()  # a slot may be free already (a back-off or a breaker's cooldown that ended)
             pair = await fut
         except BaseException:  # its deadline, its client, a drain, no pair left: it leaves the queue now
             self.queue.remove(e)
@@ -261,7 +261,12 @@ class Gate:
             if fut.done():  # its waiter is ending: it leaves the queue in its own finally
                 q.remove(e)
                 continue
-            pair = self.pick(avoid, view)
+            try:
+                pair = self.pick(avoid, view)
+            except Exception as exc:  # a policy that fails on this request ends this request, not the queue
+                q.remove(e)
+                fut.set_exception(exc)
+                continue
             if pair is None:
                 return
             if e.gone or fut.done():  # the pick moved a worker, whose observer's pump changed the queue

@@ -55,49 +55,78 @@ def session_key(tenant: str | None, header: str | None, body: dict[str, Any]) ->
     return f"{tenant}/{raw}" if tenant else raw
 
 
-def prompt_text(route: str, body: dict[str, Any]) -> str:
+MAX_TEXT_CHARS = 1 << 20  # the prefix a policy looks at (the cache_aware index hashes no more than this)
+
+
+def prompt_text(route: str, body: dict[str, Any], limit: int = MAX_TEXT_CHARS) -> str:
     """The request's input as text, in a form whose prefix stays the same as a conversation grows: chat
-    messages in order (role, content, tool calls), a completion's prompt, /generate's text or token ids."""
-    if "messages" in body:
-        parts = []
-        for m in body["messages"] if isinstance(body["messages"], list) else ():
+    messages in order (role, content, tool calls), a completion's prompt, /generate's text or token ids.
+    At most about ``limit`` characters: a huge body costs no more than its first megabyte."""
+    parts: list[str] = []
+    size = 0
+
+    def add(piece: str) -> bool:
+        nonlocal size
+        parts.append(piece[:limit - size])
+        size += len(parts[-1]) + 1
+        return size < limit
+
+    if route.endswith("chat/completions"):
+        msgs = body.get("messages")
+        for m in msgs if isinstance(msgs, list) else ():
             if not isinstance(m, dict):
                 continue
             content = m.get("content")
-            if isinstance(content, list):
-                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-            parts.append(f"{m.get('role', '')}: {content or ''}")
-            for call in m.get("tool_calls") or ():
+            if isinstance(content, list):  # OpenAI content parts: their texts, no more than the limit
+                texts, n = [], 0
+                for part in content:
+                    if n >= limit:
+                        break
+                    if isinstance(part, dict):
+                        texts.append(str(part.get("text", ""))[:limit - n])
+                        n += len(texts[-1]) + 1
+                content = " ".join(texts)
+            if not add(f"{m.get('role', '')}: {content if isinstance(content, str) else ''}"):
+                break
+            calls = m.get("tool_calls")
+            for call in calls if isinstance(calls, list) else ():
                 fn = call.get("function") if isinstance(call, dict) else None
-                if isinstance(fn, dict):
-                    parts.append(f"call {fn.get('name', '')} {fn.get('arguments', '')}")
-        return "\n".join(parts)
-    prompt = body.get("prompt", body.get("text"))
+                if isinstance(fn, dict) and not add(f"call {str(fn.get('name', ''))[:256]} {str(fn.get('arguments', ''))[:limit]}"):
+                    break
+            if size >= limit:
+                break
+        return "\n".join(parts)[:limit]
+    prompt = body.get("prompt") if route.endswith("/completions") else body.get("text")
     if isinstance(prompt, list):
-        return " ".join(str(x) for x in prompt)
+        for x in prompt:
+            if not add(str(x)[:limit]):
+                break
+        return " ".join(parts)[:limit]
     if isinstance(prompt, str):
-        return prompt
+        return prompt[:limit]
     ids = body.get("input_ids")
-    return " ".join(str(x) for x in ids) if isinstance(ids, list) else ""
+    if isinstance(ids, list):
+        for x in ids:
+            if not add(str(x)[:32]):
+                break
+        return " ".join(parts)[:limit]
+    return ""
 
 
 @dataclass(slots=True, eq=False)
 class RequestView:
-    """What a policy may see of a request. Its text is made on first use (load-based policies never ask)."""
+    """What a policy may see of a request: ``prompt_text(route, body)`` is its text, made only by a policy that
+    needs it (load-based ones never do)."""
 
     route: str
     model: str | None
     body: dict[str, Any]
     session: str | None = None
     notes: list[str] = field(default_factory=list)  # why the policy chose as it did, when that is news (traces)
-    prefix: list[int] | None = None  # the text's block hashes (PrefixIndex), made once
-    _text: str | None = None
-
-    @property
-    def text(self) -> str:
-        if self._text is None:
-            self._text = prompt_text(self.route, self.body)
-        return self._text
+    # policy name -> (decision, note or None) of its last pick: counted and noted when the attempt is sent (a
+    # queued request is picked for again and again; only the pick that was used counts)
+    pending: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    prefix: list[int] | None = None  # the text's block hashes (PrefixIndex), made once (the text is not kept)
 
 
 NO_REQUEST = RequestView("", None, {})
@@ -106,6 +135,17 @@ NO_REQUEST = RequestView("", None, {})
 class Policy(abc.ABC):
     name = "base"
     decisions: dict[str, int] = {}  # what decided, counted (a metric); the load-based policies count nothing
+
+    def decided(self, req: RequestView, decision: str, note: str | None = None) -> None:
+        """Record this pick's decision on the request (``settle`` counts it once it is used)."""
+        req.pending[self.name] = (decision, note)
+
+    def settle(self, req: RequestView) -> None:
+        d = req.pending.pop(self.name, None)
+        if d is not None:
+            self.decisions[d[0]] = self.decisions.get(d[0], 0) + 1
+            if d[1]:
+                req.notes.append(d[1])
 
     @abc.abstractmethod
     def select(self, workers: Sequence[Candidate], req: RequestView = NO_REQUEST) -> int | None:
@@ -208,30 +248,33 @@ class Session(Policy):
             return None
         key = req.session
         loads = [w.load for w in workers]
-        was, epoch = self.sticky.get(key, (None, 0)) if key is not None else (None, 0)
-        if was is not None:
-            i = next((i for i, w in enumerate(workers) if w.id == was), None)
-            if i is None:
-                why = "unavailable"
-            elif epoch != self.epochs.get(was, 0):
-                why = "lost its cache since (down or restarted)"
-            elif imbalanced(loads[i], min(loads), self.cfg):
-                why = f"over the balance thresholds (load {loads[i]}, least {min(loads)})"
-            else:
-                self.decisions["sticky"] += 1
-                return i
-            if i is not None and len(workers) > 1:  # a move goes elsewhere
-                rest = [k for k in range(len(workers)) if k != i]
-                j = rest[self._fallback.by_load([loads[k] for k in rest]) or 0]
-            else:
-                j = self._fallback.by_load(loads) or 0
-            self.decisions["moved"] += 1
-            req.notes.append(f"session moved from {was} to {workers[j].id}: {was} {why}")
-            return j
-        self.decisions["new" if key is not None else "none"] += 1
-        return self._fallback.by_load(loads)
+        if key is None:
+            self.decided(req, "none")
+            return self._fallback.by_load(loads)
+        was, epoch = self.sticky.get(key, (None, 0))
+        if was is None:
+            self.decided(req, "new")
+            return self._fallback.by_load(loads)
+        i = next((i for i, w in enumerate(workers) if w.id == was), None)
+        if i is None:
+            why = "unavailable or at its capacity"
+        elif epoch != self.epochs.get(was, 0):
+            why = "lost its cache since (down or restarted)"
+        elif imbalanced(loads[i], min(loads), self.cfg):
+            why = f"over the balance thresholds (load {loads[i]}, least {min(loads)})"
+        else:
+            self.decided(req, "sticky")
+            return i
+        rest = [k for k in range(len(workers)) if k != i]
+        if not rest:  # its own worker is the only one: it stays, with an empty cache
+            self.decided(req, "new", f"session stays on {was}: it {why}")
+            return i
+        j = rest[self._fallback.by_load([loads[k] for k in rest]) or 0]
+        self.decided(req, "moved", f"session moved from {was} to {workers[j].id}: {was} {why}")
+        return j
 
     def dispatched(self, worker: str, req: RequestView) -> None:
+        self.settle(req)
         key = req.session
         if key is None:
             return
@@ -306,7 +349,7 @@ class CacheAware(Policy):
 
     def prefix(self, req: RequestView) -> list[int]:
         if req.prefix is None:
-            req.prefix = self.index.hashes(req.text)
+            req.prefix = self.index.hashes(prompt_text(req.route, req.body, self.index.block * self.index.max_text_blocks))
         return req.prefix
 
     def select(self, workers: Sequence[Candidate], req: RequestView = NO_REQUEST) -> int | None:
@@ -317,20 +360,21 @@ class CacheAware(Policy):
         loads = [w.load for w in workers]
         low = min(loads)
         if imbalanced(max(loads), low, self.cfg):  # a hot prefix must not pile onto one worker
-            self.decisions["balance"] += 1
             i = min(range(len(workers)), key=lambda k: (loads[k], self.index.size(workers[k].id)))
-            req.notes.append(f"cache_aware: loads out of balance ({max(loads)} vs {low}); least loaded {workers[i].id}")
+            self.decided(req, "balance",
+                         f"cache_aware: loads out of balance ({max(loads)} vs {low}); least loaded {workers[i].id}")
             return i
         hs = self.prefix(req)
         matches = [self.index.match(w.id, hs) for w in workers]
         best = max(matches)
-        if hs and (best / len(hs) >= self.cfg.cache_threshold or best * self.index.block >= self.cfg.cache_min_chars):
-            self.decisions["cache"] += 1
+        if best and (best / len(hs) >= self.cfg.cache_threshold or best * self.index.block >= self.cfg.cache_min_chars):
+            self.decided(req, "cache")
             return min((k for k in range(len(workers)) if matches[k] == best), key=lambda k: loads[k])
-        self.decisions["new"] += 1  # nobody holds enough of it: the worker holding least gets it
+        self.decided(req, "new")  # nobody holds enough of it: the worker holding least gets it
         return min(range(len(workers)), key=lambda k: (self.index.size(workers[k].id), loads[k]))
 
     def dispatched(self, worker: str, req: RequestView) -> None:
+        self.settle(req)
         self.index.insert(worker, self.prefix(req))
 
     def forget(self, worker: str) -> None:
@@ -358,10 +402,6 @@ def select_pair(prefills: Sequence[W], decodes: Sequence[W], prefill_policy: Pol
         fresh = [w for w in ws if id(w) not in avoid]
         return fresh or ws
 
-    said = len(req.notes)
     p = prefill_policy.pick(pool(prefills), req)
     d = decode_policy.pick(pool(decodes), req) if p is not None else None
-    if p is None or d is None:
-        del req.notes[said:]  # no pair: nothing was decided (a queued request is picked for again and again)
-        return None
-    return p, d
+    return None if p is None or d is None else (p, d)

@@ -67,6 +67,8 @@ def validate(route: str, body: dict[str, Any]) -> tuple[str | None, bool]:
                 raise InvalidField(f"messages[{i}] must be an object with a string 'role'", param=f"messages[{i}]")
             if not isinstance(m.get("content"), (str, list, type(None))):
                 raise InvalidField(f"messages[{i}].content must be a string or a list of parts", param=f"messages[{i}].content")
+            if not isinstance(m.get("tool_calls"), (list, type(None))):
+                raise InvalidField(f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls")
         _positive_int(body, "max_completion_tokens")
     else:
         prompt = body.get("prompt")

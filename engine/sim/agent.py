@@ -31,6 +31,9 @@ import orjson
 from engine.sim.text import WORDS
 
 PIECE = 8  # characters of JSON per output token
+MAX_TOOLS = 128  # OpenAI's limit
+MAX_JSON_WORDS = 4096  # json_object: a larger max_tokens ends the object sooner (finish_reason stop)
+NAME_SCAN_CHARS = 4096  # the part of the user's message searched for a tool's name
 MAX_DEPTH = 4  # nested schemas deeper than this are answered with null (a hostile schema cannot recurse forever)
 
 
@@ -81,6 +84,7 @@ def value_for(schema: Any, rng: random.Random, depth: int = 0) -> Any:
 
 
 def _named(tools: list[dict[str, Any]], text: str) -> dict[str, Any]:
+    text = text[:NAME_SCAN_CHARS]
     for t in tools:
         if t["function"]["name"] in text:
             return t
@@ -90,6 +94,8 @@ def _named(tools: list[dict[str, Any]], text: str) -> dict[str, Any]:
 def _check_tools(tools: Any) -> list[dict[str, Any]]:
     if not isinstance(tools, list) or not tools:
         raise BadRequest("'tools' must be a non-empty list")
+    if len(tools) > MAX_TOOLS:
+        raise BadRequest(f"'tools' holds {len(tools)} tools; at most {MAX_TOOLS}")
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) \
@@ -104,7 +110,7 @@ def script_for(body: dict[str, Any], prompt: str, max_tokens: int) -> Script | N
     tools = body.get("tools")
     if tools not in (None, []):
         tools = _check_tools(tools)
-        choice = body.get("tool_choice", "auto")
+        choice = body.get("tool_choice") or "auto"
         msgs = body.get("messages") or [{}]
         last = msgs[-1] if isinstance(msgs[-1], dict) else {}
         last_user = next((str(m.get("content") or "") for m in reversed(msgs) if isinstance(m, dict)
@@ -134,7 +140,7 @@ def script_for(body: dict[str, Any], prompt: str, max_tokens: int) -> Script | N
     if kind == "json_object":
         if max_tokens < 3:
             return Script(("{}",))
-        ws = [rng.choice(WORDS) for _ in range(max_tokens - 2)]
+        ws = [rng.choice(WORDS) for _ in range(min(max_tokens, MAX_JSON_WORDS) - 2)]
         return Script(('{"answer": "', ws[0], *(" " + w for w in ws[1:]), '"}'))
     if kind == "json_schema":
         spec = fmt.get("json_schema")

@@ -8,6 +8,7 @@ import time
 
 import aiohttp
 import orjson
+import pytest
 
 from engine.sim import agent
 from engine.sim.cache import BLOCK, PrefixCache
@@ -101,6 +102,24 @@ def test_schema_values_and_hostile_schemas() -> None:
     for n in range(1, 12):
         s = agent.script_for({"response_format": {"type": "json_object"}}, "p", n)
         assert s is not None and len(s.tokens) <= n and isinstance(orjson.loads("".join(s.tokens)), dict)
+    t0 = time.monotonic()  # a huge max_tokens does not make a huge script (both legs build it)
+    big = agent.script_for({"response_format": {"type": "json_object"}}, "p", 10**8)
+    assert big is not None and len(big.tokens) <= agent.MAX_JSON_WORDS and time.monotonic() - t0 < 0.5
+    tool = {"type": "function", "function": {"name": "f"}}
+    with pytest.raises(agent.BadRequest, match="at most 128"):
+        agent.script_for({"tools": [tool] * 129, "messages": [{"role": "user", "content": "x"}]}, "p", 8)
+    s = agent.script_for({"tools": [tool], "tool_choice": None, "messages": [{"role": "user", "content": "x"}]}, "p", 8)
+    assert s is not None and s.call is not None, "tool_choice null is auto"
+
+
+def test_top_logprobs_one_is_one() -> None:
+    from engine.sim.config import SimConfig
+    from engine.sim.server import Parsed
+
+    chat_ = Parsed("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                                            "top_logprobs": 1}, SimConfig(role="decode"))
+    comp = Parsed("/v1/completions", {"prompt": "x", "logprobs": 1}, SimConfig(role="decode"))
+    assert chat_.top_logprobs == 1 and chat_.logprobs and comp.top_logprobs == 1 and comp.logprobs
 
 
 def test_sampler_temperature_and_seed() -> None:

@@ -265,3 +265,70 @@ async def test_policy_hooks_hear_dispatch_completion_retry_and_removal(procs: Pr
         async with http.delete(g.admin + f"/v1/workers/{b}") as r:
             assert r.status == 200, await r.text()
     assert rec.calls[-1] == ("forget", b, None)
+
+
+class Failing(policies.LeastLoaded):
+    """A policy that fails on requests whose session is "bad" (where it fails is the parameter)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where = where
+
+    def select(self, workers: Any, req: policies.RequestView = policies.NO_REQUEST) -> int | None:
+        if self.where == "select" and req.session == "bad" and workers:  # fails only once a worker has room
+            raise TypeError("policy bug")
+        return super().select(workers, req)
+
+    def dispatched(self, worker: str, req: policies.RequestView) -> None:
+        if self.where == "dispatched" and req.session == "bad":
+            raise TypeError("policy bug")
+
+
+@pytest.mark.parametrize("where", ["select", "dispatched"])
+async def test_a_policy_that_fails_on_one_request_ends_that_request_only(procs: Procs, gateways: list[Any],
+                                                                         where: str) -> None:
+    """The queue keeps serving and no slot or load is left behind (a policy raising in the pump used to leave
+    its entry at the head of the queue, failing every pump after; one raising in dispatched left both workers
+    bound, later degraded)."""
+    p = procs.sim("prefill", "--fault", "slow_prefill=0.3")
+    d = procs.sim("decode")
+    from pdgate.config import AdmissionConfig
+
+    g = await gateway(gateways, [p], [d], admission=AdmissionConfig(capacity=1))
+    g.gw.prefill_policy = Failing(where)
+
+    async def one(http: aiohttp.ClientSession, sid: str) -> int:
+        async with http.post(g.url + "/v1/chat/completions", headers={"x-session-id": sid},
+                             json={"model": "sim-model", "messages": [{"role": "user", "content": sid}],
+                                   "max_tokens": 2}) as r:
+            await r.read()
+            return r.status
+
+    async with aiohttp.ClientSession() as http:
+        first = asyncio.create_task(one(http, "a"))  # holds the only slot: the rest queue behind it
+        await asyncio.sleep(0.1)
+        statuses = await asyncio.gather(first, one(http, "bad"), one(http, "b"), one(http, "c"))
+    assert statuses[0] == 200 and statuses[2:] == [200, 200], statuses
+    assert statuses[1] == 500, statuses
+    assert g.gw.gate.queue.n == 0 and all(w.load == 0 and w.reserved == 0 and w.busy_since is None
+                                          for w in g.gw.pool.by_id.values())
+
+
+async def test_session_header_is_matched_whatever_its_case_in_the_config(procs: Procs, gateways: list[Any]) -> None:
+    from pdgate.config import RoutingConfig
+
+    prefills = [procs.sim("prefill"), procs.sim("prefill")]
+    d = procs.sim("decode")
+    g = await gateway(gateways, prefills, [d], policy="session", routing=RoutingConfig(session_header="X-Agent-Run"))
+    async with aiohttp.ClientSession() as http:
+        homes = set()
+        for i in range(4):
+            async with http.post(g.url + "/v1/chat/completions", headers={"X-Agent-Run": "run-7"},
+                                 json={"model": "sim-model", "messages": [{"role": "user", "content": f"{i}"}],
+                                       "max_tokens": 2}) as r:
+                assert r.status == 200
+                homes.add(prefill_of(g, r.headers["x-request-id"]))
+        assert len(homes) == 1
+        async with http.post(g.url + "/v1/chat/completions", json={"model": "sim-model", "messages": [
+                {"role": "assistant", "content": None, "tool_calls": 5}]}) as r:
+            assert r.status == 400 and "tool_calls must be a list" in (await r.json())["error"]["message"]

@@ -47,7 +47,7 @@ def test_session_sticks_spreads_and_moves_when_its_worker_is_gone() -> None:
     gone = [s for s in first if first[s] == "p0"]
     req = chat("next", user=gone[0])
     assert send(pol, [ws[1]], req).id == "p1", "p0 unavailable: the session moves"
-    assert req.notes == ["session moved from p0 to p1: p0 unavailable"]
+    assert req.notes == ["session moved from p0 to p1: p0 unavailable or at its capacity"]
     assert send(pol, ws, chat("again", user=gone[0])).id == "p1", "and stays where it moved"
     assert pol.decisions == {"sticky": 21, "moved": 1, "new": 4, "none": 0}
 
@@ -189,3 +189,35 @@ def test_prompt_text_prefix_is_stable_as_a_conversation_grows() -> None:
     assert t2.startswith(t1) and "call ls {}" in t2
     assert policies.prompt_text("/generate", {"input_ids": [1, 2]}) == "1 2"
     assert policies.prompt_text("/v1/completions", {"prompt": ["a", "b"]}) == "a b"
+
+
+def test_only_the_pick_that_is_used_counts_and_notes() -> None:
+    """A queued request is picked for on every pump; until one of those picks is dispatched nothing is counted
+    and nothing goes on its trace, and then only that pick's decision."""
+    pol = Session()
+    ws = [W("p0"), W("p1")]
+    send(pol, [ws[0]], chat("x", user="s"))
+    req = chat("y", user="s")
+    for _ in range(5):
+        assert pol.pick([ws[1]], req) is ws[1]  # p0 gone: a move, five times over
+    assert pol.decisions["moved"] == 0 and req.notes == []
+    assert pol.pick(ws, req) is ws[0]  # p0 back before the grant: the pick that is used is sticky
+    pol.dispatched("p0", req)
+    assert pol.decisions == {"sticky": 1, "moved": 0, "new": 1, "none": 0} and req.notes == []
+
+
+def test_hostile_bodies_cost_little_and_never_raise() -> None:
+    import time
+
+    huge = "x" * 5_000_000
+    for body in ({"messages": [{"role": "assistant", "tool_calls": 5}]},
+                 {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": huge}}]}]},
+                 {"messages": [{"role": "user", "content": [{"text": huge}] * 5000}]},
+                 {"messages": [{"role": "user", "content": "a"}] * 200_000},
+                 {"messages": "nope"}, {"messages": [None, 3, {"content": {"x": 1}}]}):
+        t0 = time.monotonic()
+        text = policies.prompt_text("/v1/chat/completions", body)
+        assert len(text) <= policies.MAX_TEXT_CHARS and time.monotonic() - t0 < 0.5
+    assert policies.prompt_text("/generate", {"messages": [{"role": "user", "content": "m"}], "text": "t"}) == "t"
+    assert policies.prompt_text("/v1/completions", {"prompt": ["a"] * 10**6}).count("a") < policies.MAX_TEXT_CHARS
+    assert policies.prompt_text("/generate", {"input_ids": list(range(10**6))}).startswith("0 1 2")
