@@ -32,12 +32,13 @@ if TYPE_CHECKING:
 class Bind:
     """An attempt bound to its two workers, with the cancel scope of its decode leg."""
 
-    __slots__ = ("att", "gw", "scope")
+    __slots__ = ("att", "gw", "scope", "span")
 
-    def __init__(self, gw: Gateway, att: Attempt) -> None:
+    def __init__(self, gw: Gateway, att: Attempt, span: Any = None) -> None:
         self.gw = gw
         self.att = att
         self.scope = Scope()
+        self.span = span  # its OpenTelemetry span (None without otel)
 
     def fail(self, exc: BaseException) -> None:
         self.scope.cancel(Reason(Cause.LEG_FAILED, error=exc))
@@ -72,18 +73,18 @@ async def dispatch(ctx: Ctx) -> bytes:
         att = Attempt(n=n, rid=f"{rec.id}.{n}", prefill=pw.id, decode=dw.id, room=random.getrandbits(63))
         rec.attempts.append(att)
         gw.move(rec, Phase.DISPATCHED)
-        bind = Bind(gw, att)
+        bind = Bind(gw, att, gw.otel.attempt(ctx.span, rec, att, now) if ctx.span is not None and gw.otel else None)
         pw.bind(bind, now)
         dw.bind(bind, now)
         view = ctx.view
-        for note in view.notes:  # why the policy chose as it did (a session that moved, loads out of balance)
-            att.event(now, "routing", note)
-        view.notes.clear()
-        gw.prefill_policy.dispatched(pw.id, view)
-        gw.decode_policy.dispatched(dw.id, view)
         retrying = False
         ok = False
         try:
+            gw.prefill_policy.dispatched(pw.id, view)
+            gw.decode_policy.dispatched(dw.id, view)
+            for note in view.notes:  # why the policy chose as it did (a session that moved, loads out of balance)
+                att.event(now, "routing", note)
+            view.notes.clear()
             body = await run_attempt(ctx, att, bind, pw, dw)
             ok = True
             return body
@@ -101,6 +102,8 @@ async def dispatch(ctx: Ctx) -> bytes:
             dw.unbind(bind)
             gw.prefill_policy.completed(pw.id, view, ok)
             gw.decode_policy.completed(dw.id, view, ok)
+            if bind.span is not None and gw.otel is not None:
+                gw.otel.end_attempt(bind.span, rec, att, gw.now())
             gw.gate.free(counted=True, pump=not retrying)  # a retry takes its own slot before the queue does
     assert last is not None
     raise last
@@ -116,7 +119,7 @@ async def run_attempt(ctx: Ctx, att: Attempt, bind: Bind, pw: Worker, dw: Worker
         protocol.RID: att.rid,
     })
     att.event(gw.now(), "sent")
-    headers = leg_headers(ctx, att)
+    headers = leg_headers(ctx, att, bind)
     p_task = asyncio.get_running_loop().create_task(prefill_leg(ctx, att, pw, payload, bind, headers))
     p_task.add_done_callback(bind.prefill_done)
     gw.move(rec, Phase.PREFILL)
@@ -154,12 +157,15 @@ async def prefill_tail(gw: Gateway, att: Attempt, pw: Worker, p_task: asyncio.Ta
         gw.abort_leg(att, pw, False)
 
 
-def leg_headers(ctx: Ctx, att: Attempt) -> bytes:
+def leg_headers(ctx: Ctx, att: Attempt, bind: Bind) -> bytes:
     """What both legs carry besides the body, as encoded header lines: the attempt's rid as x-request-id (the
-    engines' logs name it), and the client's W3C trace context, passed through."""
+    engines' logs name it), and W3C trace context: the attempt span's with OpenTelemetry on (an engine's spans
+    join the trace under it), else the client's, passed through."""
     out = b"x-request-id: %b\r\n" % att.rid.encode()
     h = ctx.request.headers
-    if "traceparent" in h:
+    if bind.span is not None and ctx.gw.otel is not None:
+        out += header_lines(ctx.gw.otel.traceparent(bind.span))
+    elif "traceparent" in h:
         out += header_lines({k: h[k] for k in ("traceparent", "tracestate") if k in h})
     return out
 

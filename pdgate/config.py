@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import functools
 import hashlib
 import ipaddress
@@ -30,6 +31,45 @@ class ConfigError(ValueError):
     def __init__(self, key: str, value: Any, reason: str) -> None:
         super().__init__(f"config {key} = {value!r}: {reason}")
         self.key = key
+
+
+class ConfigErrors(ConfigError):
+    """Every error found in one config, all at once (one per line)."""
+
+    def __init__(self, errors: list[ConfigError], where: str = "") -> None:
+        self.errors = errors
+        head = f"{where}: " if where else ""
+        lines = [f"{head}{e}" for e in errors]
+        ValueError.__init__(self, lines[0] if len(lines) == 1 else f"{len(lines)} errors:\n  " + "\n  ".join(lines))
+        self.key = errors[0].key
+
+
+class Errors:
+    """Collects config errors: ``with errs:`` around each check keeps going after one fails."""
+
+    def __init__(self) -> None:
+        self.found: list[ConfigError] = []
+
+    def __enter__(self) -> Errors:
+        return self
+
+    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> bool:
+        if isinstance(exc, ConfigErrors):
+            self.found.extend(exc.errors)
+            return True
+        if isinstance(exc, ConfigError):
+            self.found.append(exc)
+            return True
+        return False
+
+    def raise_any(self, where: str = "") -> None:
+        if self.found:
+            raise ConfigErrors(self.found, where)
+
+
+def did_you_mean(word: str, known: Any) -> str:
+    close = difflib.get_close_matches(word, sorted(known), n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}?" if close else f"known: {', '.join(sorted(known))}"
 
 
 @dataclass(frozen=True)
@@ -119,6 +159,15 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
+class OtelConfig:
+    """OpenTelemetry traces over OTLP/HTTP (pdgate/otel.py; the otel extra)."""
+
+    enabled: bool = False
+    endpoint: str = "http://127.0.0.1:4318/v1/traces"  # an OTLP/HTTP collector's traces URL
+    service_name: str = "pdgate"
+
+
+@dataclass(frozen=True)
 class AdminKey:
     name: str  # who did it, in the audit log
     hash: str
@@ -186,6 +235,7 @@ class GatewayConfig:
     reconcile: ReconcileConfig = field(default_factory=ReconcileConfig)
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    otel: OtelConfig = field(default_factory=OtelConfig)
     peers: tuple[str, ...] = ()  # URLs of other gateways in front of the same workers (their leases are read)
     prefill: tuple[WorkerSpec, ...] = ()
     decode: tuple[WorkerSpec, ...] = ()
@@ -206,65 +256,97 @@ def _positive(key: str, value: Any, *, allow_zero: bool = False, integer: bool =
 
 
 def validate(cfg: GatewayConfig) -> GatewayConfig:
-    if cfg.policy not in POLICIES:
-        raise ConfigError("gateway.policy", cfg.policy, f"one of {', '.join(POLICIES)}")
-    if cfg.prefill_policy is not None and cfg.prefill_policy not in POLICIES:
-        raise ConfigError("gateway.prefill_policy", cfg.prefill_policy, f"one of {', '.join(POLICIES)}")
-    if cfg.decode_policy is not None and cfg.decode_policy not in LOAD_POLICIES:
-        raise ConfigError("gateway.decode_policy", cfg.decode_policy,
-                          f"one of {', '.join(LOAD_POLICIES)} (a decode is chosen by load: the prefill holds the cache)")
+    """Every check, every error at once (``ConfigErrors``)."""
+    errs = Errors()
+    with errs:
+        if cfg.policy not in POLICIES:
+            raise ConfigError("gateway.policy", cfg.policy, f"one of {', '.join(POLICIES)}")
+    with errs:
+        if cfg.prefill_policy is not None and cfg.prefill_policy not in POLICIES:
+            raise ConfigError("gateway.prefill_policy", cfg.prefill_policy, f"one of {', '.join(POLICIES)}")
+    with errs:
+        if cfg.decode_policy is not None and cfg.decode_policy not in LOAD_POLICIES:
+            raise ConfigError("gateway.decode_policy", cfg.decode_policy,
+                              f"one of {', '.join(LOAD_POLICIES)} (a decode is chosen by load: the prefill holds the cache)")
     r = cfg.routing
-    if not isinstance(r.session_header, str) or not re.fullmatch(r"[A-Za-z0-9-]{1,64}", r.session_header):
-        raise ConfigError("routing.session_header", r.session_header, "must be a header name")
+    with errs:
+        if not isinstance(r.session_header, str) or not re.fullmatch(r"[A-Za-z0-9-]{1,64}", r.session_header):
+            raise ConfigError("routing.session_header", r.session_header, "must be a header name")
     for key in ("max_sessions", "balance_abs", "block_chars", "max_blocks", "cache_min_chars"):
-        _positive(f"routing.{key}", getattr(r, key), integer=True, allow_zero=key == "balance_abs")
-    _positive("routing.balance_rel", r.balance_rel)
-    _positive("routing.cache_threshold", r.cache_threshold, allow_zero=True)
-    if r.cache_threshold > 1:
-        raise ConfigError("routing.cache_threshold", r.cache_threshold, "must be within 0..1")
-    _positive("gateway.max_attempts", cfg.max_attempts, integer=True)  # a number first: "3" is named, not a traceback
-    if not 1 <= cfg.max_attempts <= 9:
-        raise ConfigError("gateway.max_attempts", cfg.max_attempts, "must be within 1..9")
-    _positive("gateway.port", cfg.port, integer=True)
-    if not 0 < cfg.port < 65536:
-        raise ConfigError("gateway.port", cfg.port, "must be a TCP port")
+        with errs:
+            _positive(f"routing.{key}", getattr(r, key), integer=True, allow_zero=key == "balance_abs")
+    with errs:
+        _positive("routing.balance_rel", r.balance_rel)
+    with errs:
+        _positive("routing.cache_threshold", r.cache_threshold, allow_zero=True)
+        if r.cache_threshold > 1:
+            raise ConfigError("routing.cache_threshold", r.cache_threshold, "must be within 0..1")
+    with errs:
+        _positive("gateway.max_attempts", cfg.max_attempts, integer=True)  # a number first: "3" is named, not a traceback
+        if not 1 <= cfg.max_attempts <= 9:
+            raise ConfigError("gateway.max_attempts", cfg.max_attempts, "must be within 1..9")
+    with errs:
+        _positive("gateway.port", cfg.port, integer=True)
+        if not 0 < cfg.port < 65536:
+            raise ConfigError("gateway.port", cfg.port, "must be a TCP port")
     for key in ("max_body_bytes", "trace_ring", "upstream_max_conns", "upstream_max_idle", "max_upstream_body_bytes"):
-        _positive(f"gateway.{key}", getattr(cfg, key), integer=True)
+        with errs:
+            _positive(f"gateway.{key}", getattr(cfg, key), integer=True)
     for key in ("prefill_grace_s", "connect_timeout_s", "abort_timeout_s", "keepalive_s", "head_timeout_s",
                 "body_timeout_s", "upstream_idle_s"):
-        _positive(f"gateway.{key}", getattr(cfg, key))
-    _positive("gateway.drain_s", cfg.drain_s, allow_zero=True)
-    if not isinstance(cfg.abort_repeat_s, tuple) or len(cfg.abort_repeat_s) > 5:
-        raise ConfigError("gateway.abort_repeat_s", cfg.abort_repeat_s, "must be a list of at most 5 delays")
-    for delay in cfg.abort_repeat_s:
-        _positive("gateway.abort_repeat_s", delay)
+        with errs:
+            _positive(f"gateway.{key}", getattr(cfg, key))
+    with errs:
+        _positive("gateway.drain_s", cfg.drain_s, allow_zero=True)
+    with errs:
+        if not isinstance(cfg.abort_repeat_s, tuple) or len(cfg.abort_repeat_s) > 5:
+            raise ConfigError("gateway.abort_repeat_s", cfg.abort_repeat_s, "must be a list of at most 5 delays")
+        for delay in cfg.abort_repeat_s:
+            _positive("gateway.abort_repeat_s", delay)
     d = cfg.deadlines
     for f in dataclasses.fields(d):
-        _positive(f"deadlines.{f.name}", getattr(d, f.name))
+        with errs:
+            _positive(f"deadlines.{f.name}", getattr(d, f.name))
     for name in ("total", "ttft", "idle"):
-        if getattr(d, f"{name}_s") > getattr(d, f"max_{name}_s"):
-            raise ConfigError(f"deadlines.{name}_s", getattr(d, f"{name}_s"), f"exceeds deadlines.max_{name}_s")
+        with errs:
+            if getattr(d, f"{name}_s") > getattr(d, f"max_{name}_s"):
+                raise ConfigError(f"deadlines.{name}_s", getattr(d, f"{name}_s"), f"exceeds deadlines.max_{name}_s")
     for model, b in cfg.models.items():
         for f in dataclasses.fields(b):
             v = getattr(b, f.name)
             if v is not None:
-                _positive(f"models.{model}.{f.name}", v)
+                with errs:
+                    _positive(f"models.{model}.{f.name}", v)
     for f in dataclasses.fields(cfg.health):
-        _positive(f"health.{f.name}", getattr(cfg.health, f.name), integer=f.name == "failures")
+        with errs:
+            _positive(f"health.{f.name}", getattr(cfg.health, f.name), integer=f.name == "failures")
     for f in dataclasses.fields(cfg.reconcile):
         if f.name != "enabled":
-            _positive(f"reconcile.{f.name}", getattr(cfg.reconcile, f.name), integer=f.name in ("drift_checks", "recent_rids"))
+            with errs:
+                _positive(f"reconcile.{f.name}", getattr(cfg.reconcile, f.name),
+                          integer=f.name in ("drift_checks", "recent_rids"))
     a = cfg.admission
-    _positive("admission.capacity", a.capacity, integer=True, allow_zero=True)
-    _positive("admission.max_queue", a.max_queue, integer=True)
-    _positive("admission.window_s", a.window_s)
-    _positive("admission.engine_backoff_s", a.engine_backoff_s, allow_zero=True)
-    _positive("breaker.failures", cfg.breaker.failures, integer=True)
-    _positive("breaker.cooldown_s", cfg.breaker.cooldown_s)
+    for key, integer, zero in (("capacity", True, True), ("max_queue", True, False), ("window_s", False, False),
+                               ("engine_backoff_s", False, True)):
+        with errs:
+            _positive(f"admission.{key}", getattr(a, key), integer=integer, allow_zero=zero)
+    with errs:
+        _positive("breaker.failures", cfg.breaker.failures, integer=True)
+    with errs:
+        _positive("breaker.cooldown_s", cfg.breaker.cooldown_s)
     for role in ("prefill", "decode"):
         for i, w in enumerate(getattr(cfg, role)):
-            validate_worker(w, f"{role}[{i}]")
-    _validate_access(cfg)
+            with errs:
+                validate_worker(w, f"{role}[{i}]")
+    with errs:
+        _validate_access(cfg)
+    with errs:
+        if not isinstance(cfg.otel.enabled, bool):
+            raise ConfigError("otel.enabled", cfg.otel.enabled, "must be true or false")
+    with errs:
+        if not isinstance(cfg.otel.endpoint, str) or not cfg.otel.endpoint.startswith(("http://", "https://")):
+            raise ConfigError("otel.endpoint", cfg.otel.endpoint, "must be an http:// or https:// URL")
+    errs.raise_any()
     return cfg
 
 
@@ -386,42 +468,84 @@ def validate_worker(w: WorkerSpec, key: str = "worker") -> WorkerSpec:
     return w
 
 
-def _build(cls: Any, data: dict[str, Any], prefix: str) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
+def _build(cls: Any, data: Any, prefix: str, errs: Errors | None = None) -> Any:
+    """``cls`` from a TOML table. Unknown keys are errors (with the nearest known one); with ``errs`` they are
+    recorded there and the object is built from the known keys, so the rest can still be checked."""
+    local = errs is None
+    errs = errs or Errors()
+    if not isinstance(data, dict):
+        raise ConfigError(prefix.rstrip("."), data, "must be a table")
+    fields = dataclasses.fields(cls)
+    names = {f.name for f in fields}
     for key in data:
         if key not in names:
-            # an entry of a key table may hold a secret where a hash belongs: never printed back
-            shown = "<hidden>" if cls in (KeyConfig, AdminKey) else data[key]
-            raise ConfigError(f"{prefix}{key}", shown, f"unknown key (known: {', '.join(sorted(names))})")
-    return cls(**data)
+            with errs:
+                # an entry of a key table may hold a secret where a hash belongs: never printed back
+                shown = "<hidden>" if cls in (KeyConfig, AdminKey) else data[key]
+                raise ConfigError(f"{prefix}{key}", shown, f"unknown key; {did_you_mean(key, names)}")
+    missing = [f.name for f in fields if f.name not in data and f.default is dataclasses.MISSING
+               and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(prefix.rstrip("."), "...", f"missing {', '.join(missing)}")
+    if local:
+        errs.raise_any()
+    return cls(**{k: v for k, v in data.items() if k in names})
 
 
 def from_mapping(data: dict[str, Any]) -> GatewayConfig:
     """Build a config from TOML-shaped data (see config/pdgate.toml)."""
     data = dict(data)
-    top = dict(data.pop("gateway", {}))
-    sections: dict[str, Any] = {
-        "deadlines": _build(DeadlineConfig, data.pop("deadlines", {}), "deadlines."),
-        "health": _build(HealthConfig, data.pop("health", {}), "health."),
-        "breaker": _build(BreakerConfig, data.pop("breaker", {}), "breaker."),
-        "reconcile": _build(ReconcileConfig, data.pop("reconcile", {}), "reconcile."),
-        "admission": _build(AdmissionConfig, data.pop("admission", {}), "admission."),
-        "routing": _build(RoutingConfig, data.pop("routing", {}), "routing."),
-        "models": {m: _build(Budgets, v, f"models.{m}.") for m, v in data.pop("models", {}).items()},
-    }
+    errs = Errors()
+    top: dict[str, Any] = {}
+    with errs:
+        top = dict(_table(data.pop("gateway", {}), "gateway"))
+    sections: dict[str, Any] = {}
+    for name, cls in (("deadlines", DeadlineConfig), ("health", HealthConfig), ("breaker", BreakerConfig),
+                      ("reconcile", ReconcileConfig), ("admission", AdmissionConfig), ("routing", RoutingConfig),
+                      ("otel", OtelConfig)):
+        raw = data.pop(name, {})
+        with errs:  # a section with errors counts as absent: the others are still checked
+            sections[name] = _build(cls, raw, f"{name}.")
+    models: dict[str, Budgets] = {}
+    with errs:
+        for m, v in _table(data.pop("models", {}), "models").items():
+            with errs:
+                models[m] = _build(Budgets, v, f"models.{m}.")
+    sections["models"] = models
     for role in ("prefill", "decode"):
         items = data.pop(role, [])
-        sections[role] = tuple(_build(WorkerSpec, {**w, "role": role}, f"{role}.") for w in items)
-    sections.update(_key_sections(data, ""))
-    if data:
-        key = next(iter(data))
-        raise ConfigError(key, data[key], "unknown section")
+        workers = []
+        for i, w in enumerate(items if isinstance(items, list) else [items]):
+            with errs:
+                workers.append(_build(WorkerSpec, {**_table(w, f"{role}[{i}]"), "role": role}, f"{role}[{i}]."))
+        sections[role] = tuple(workers)
+    with errs:
+        sections.update(_key_sections(data, ""))
+    for key in list(data):
+        with errs:
+            raise ConfigError(key, "...", f"unknown section; {did_you_mean(key, SECTIONS)}")
     for key in ("peers", "allowed_worker_hosts"):
         if isinstance(top.get(key), list):
             top[key] = tuple(top[key])
     if "abort_repeat_s" in top:
         top["abort_repeat_s"] = tuple(top["abort_repeat_s"]) if isinstance(top["abort_repeat_s"], list) else top["abort_repeat_s"]
-    return validate(_build(GatewayConfig, {**top, **sections}, "gateway."))
+    cfg = GatewayConfig()
+    with errs:
+        cfg = _build(GatewayConfig, {**top, **sections}, "gateway.", errs)
+    with errs:
+        validate(cfg)
+    errs.raise_any()
+    return cfg
+
+
+SECTIONS = ("gateway", "deadlines", "health", "breaker", "reconcile", "admission", "routing", "otel", "models", "prefill",
+            "decode", "keys", "admin_keys")
+
+
+def _table(v: Any, key: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ConfigError(key, v, "must be a table")
+    return v
 
 
 def _key_sections(data: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -482,7 +606,9 @@ def load(path: str | Path | None) -> GatewayConfig:
         raise ConfigError("--config", str(path), f"is not valid TOML: {exc}") from None
     try:
         cfg = from_mapping(data)
-    except TypeError as exc:  # a section that is not a table, a list where a table belongs
+    except ConfigErrors as exc:  # every error, each line naming the file
+        raise ConfigErrors(exc.errors, str(path)) from None
+    except TypeError as exc:  # a shape no check foresaw
         raise ConfigError(str(path), "...", f"a section has the wrong shape: {exc}") from None
     return with_key_files(cfg, Path(path).parent)
 

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Coroutine
 from typing import TYPE_CHECKING, Any
 
-from pdgate import auth, policies
+from pdgate import auth, otel, policies
 from pdgate.admission import Gate
 from pdgate.config import GatewayConfig, policy_names
 from pdgate.metrics import Metrics, policy_families, worker_families
@@ -48,8 +48,11 @@ class Gateway:
         self.clock = time.monotonic
         self.gate = Gate(self)  # admission control: pairs with room, or the queue
         self.metrics.queue_depth = lambda: self.gate.queue.n
+        self.metrics.models = self.known_models
         self.tenants = auth.tenants(cfg.keys, cfg.deadlines, self.clock)  # None: an open front door
         self.admins = auth.admins(cfg.admin_keys)  # None: an open admin plane (loopback only)
+        self.otel = otel.make(cfg.otel)  # None: no OpenTelemetry
+        self.session_header = cfg.routing.session_header.lower()  # h1lite's header names are lower case
         for spec in (*cfg.prefill, *cfg.decode):
             self.pool.add(spec)
         self.metrics.add_collector(lambda: policy_families({"prefill": self.prefill_policy, "decode": self.decode_policy}))
@@ -61,7 +64,7 @@ class Gateway:
         """What follows a worker's move, in one place: its live requests failed over at once when it goes
         down or restarted, traces told when it degrades, metrics and a log line for every move."""
         self.metrics.worker_transitions.labels(w.id, to.value).inc()
-        if to in (State.DOWN, State.RESTARTED, State.REMOVED):  # its cache is gone (or no longer ours to use)
+        if to in (State.RESTARTED, State.REMOVED):  # its cache is gone (back after down is restarted too)
             (self.prefill_policy if w.role == "prefill" else self.decode_policy).forget(w.id)
         if to is State.DOWN or to is State.RESTARTED:
             lost = w.lose_all(f"{to.value}: {cause}")
@@ -161,5 +164,7 @@ class Gateway:
         self.drain()
         if self.background:
             await asyncio.wait(list(self.background), timeout=self.cfg.abort_timeout_s + 1)
+        if self.otel is not None:  # the spans still batched go out now
+            await asyncio.to_thread(self.otel.shutdown)
         if self.upstream is not None:
             await self.upstream.close()

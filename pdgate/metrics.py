@@ -19,6 +19,8 @@ from pdgate.record import LIVE, Phase, Record
 disable_created_metrics()  # type: ignore[no-untyped-call]  # the *_created series double the scrape size and nobody reads them
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+OTHER_MODEL = "other"  # a model label for names the workers do not serve (labels stay bounded)
 
 
 class Hist:
@@ -29,19 +31,20 @@ class Hist:
     are turned into a ``HistogramMetricFamily`` at scrape time (prometheus_client's own
     custom-collector API), so the exposition is the library's."""
 
-    __slots__ = ("counts", "total")
+    __slots__ = ("bounds", "counts", "total")
 
-    def __init__(self) -> None:
-        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
         self.total = 0.0
 
     def observe(self, v: float) -> None:
-        self.counts[bisect_left(LATENCY_BUCKETS, v)] += 1
+        self.counts[bisect_left(self.bounds, v)] += 1
         self.total += v
 
     def buckets(self) -> list[tuple[str, float]]:
         out, acc = [], 0
-        for bound, n in zip((*(str(float(b)) for b in LATENCY_BUCKETS), "+Inf"), self.counts, strict=True):
+        for bound, n in zip((*(str(float(b)) for b in self.bounds), "+Inf"), self.counts, strict=True):
             acc += n
             out.append((bound, float(acc)))
         return out
@@ -61,8 +64,13 @@ class Metrics:
         # per-request series: plain counts, rendered at scrape time (see Hist)
         self.finished: dict[tuple[str, str], int] = {}  # (route, outcome) -> count
         self.phase_hist = {p: Hist() for p in LIVE}
-        self.ttft_hist = Hist()
+        self.ttft_hist: dict[str, Hist] = {}  # by model
         self.e2e_hist: dict[str, Hist] = {}
+        # by model (a served model's name, "" for none given, OTHER_MODEL for any other: bounded)
+        self.models: Callable[[], frozenset[str]] = frozenset
+        self.model_finished: dict[tuple[str, str], int] = {}  # (model, outcome) -> count
+        self.tokens: dict[tuple[str, str], int] = {}  # (model, prompt|completion) -> tokens
+        self.tpot_hist: dict[str, Hist] = {}
         self.live_phases = live_phases or dict
         self.deadlines = Counter("pdgate_deadline_expired", "Deadline expiries by budget and phase", ["budget", "phase"],
                                  registry=r)
@@ -104,11 +112,34 @@ class Metrics:
             if e2e is None:
                 e2e = self.e2e_hist[to.value] = Hist()
             e2e.observe((rec.finished_at or 0.0) - rec.created)
+            model = self.model_label(rec.model)
+            mk = (model, to.value)
+            self.model_finished[mk] = self.model_finished.get(mk, 0) + 1
             if rec.first_token_at is not None:
-                self.ttft_hist.observe(rec.first_token_at - rec.created)
+                self._hist(self.ttft_hist, model).observe(rec.first_token_at - rec.created)
+                n = rec.completion_tokens if rec.completion_tokens is not None else rec.chunks
+                if rec.last_token_at is not None and n > 1:  # time per output token after the first
+                    self._hist(self.tpot_hist, model, TPOT_BUCKETS).observe(
+                        (rec.last_token_at - rec.first_token_at) / (n - 1))
+            for kind, n in (("prompt", rec.prompt_tokens or 0),
+                            ("completion", rec.completion_tokens if rec.completion_tokens is not None else rec.chunks)):
+                if n:
+                    self.tokens[(model, kind)] = self.tokens.get((model, kind), 0) + n
             if rec.tenant is not None:
                 tk = (rec.tenant, to.value)
                 self.tenant_finished[tk] = self.tenant_finished.get(tk, 0) + 1
+
+    def model_label(self, model: str | None) -> str:
+        if model is None:
+            return ""
+        return model if model in self.models() else OTHER_MODEL
+
+    @staticmethod
+    def _hist(table: dict[str, Hist], key: str, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> Hist:
+        h = table.get(key)
+        if h is None:
+            h = table[key] = Hist(bounds)
+        return h
 
     def tenant_tokens(self, tenant: str | None, prompt: int, completion: int) -> None:
         if tenant is not None:
@@ -135,7 +166,10 @@ class Metrics:
         yield live
         yield hist_family("pdgate_phase_duration_seconds", "Time spent in each phase", ["phase"],
                           {(p.value,): h for p, h in self.phase_hist.items()})
-        yield hist_family("pdgate_ttft_seconds", "Admission to first token", [], {(): self.ttft_hist})
+        yield hist_family("pdgate_ttft_seconds", "Admission to first token, by model", ["model"],
+                          {(k,): h for k, h in sorted(self.ttft_hist.items())})
+        yield hist_family("pdgate_tpot_seconds", "Time per output token after the first (streams), by model", ["model"],
+                          {(k,): h for k, h in sorted(self.tpot_hist.items())})
         yield hist_family("pdgate_e2e_seconds", "Admission to terminal outcome", ["outcome"],
                           {(k,): h for k, h in sorted(self.e2e_hist.items())})
         depth = GaugeMetricFamily("pdgate_queue_depth", "Requests waiting in the gateway's admission queue")
@@ -154,7 +188,11 @@ class Metrics:
                 ("pdgate_tenant_tokens", "Tokens by tenant and kind (prompt, completion)", ["tenant", "kind"],
                  self.tenant_tok),
                 ("pdgate_tenant_rejected", "Requests refused before admission by tenant and reason", ["tenant", "reason"],
-                 self.rejected))
+                 self.rejected),
+                ("pdgate_model_requests", "Finished requests by model and outcome", ["model", "outcome"],
+                 self.model_finished),
+                ("pdgate_tokens", "Tokens by model and kind (prompt: from the engines' usage, when they report it; "
+                 "completion: from usage, or the events a stream relayed)", ["model", "kind"], self.tokens))
         for name, doc, labels, table in tables:
             fam = CounterMetricFamily(name, doc, labels=labels)
             for key, n in sorted(table.items()):

@@ -25,8 +25,8 @@ CLIENT_GONE = Reason(Cause.CLIENT_GONE)
 
 
 class Ctx:
-    __slots__ = ("body", "gw", "merge_logprobs", "rec", "request", "resp", "route", "scope", "stream_error", "view",
-                 "watchdog")
+    __slots__ = ("body", "gw", "merge_logprobs", "rec", "request", "resp", "route", "scope", "span", "stream_error",
+                 "view", "watchdog")
 
     def __init__(self, gw: Gateway, request: Request, rec: Record, route: str, body: dict[str, Any]) -> None:
         self.gw = gw
@@ -34,8 +34,9 @@ class Ctx:
         self.rec = rec
         self.route = route
         self.body = body
-        session = policies.session_key(rec.tenant, request.headers.get(gw.cfg.routing.session_header), body)
+        session = policies.session_key(rec.tenant, request.headers.get(gw.session_header), body)
         self.view = policies.RequestView(route, rec.model, body, session)  # what the policies see of it
+        self.span = gw.otel.request(rec, request.headers) if gw.otel is not None else None  # OpenTelemetry
         self.resp: Stream | None = None
         self.stream_error: str | None = None
         self.merge_logprobs = attempt.wants_logprobs(route, body)

@@ -63,7 +63,7 @@ class Parsed:
         self.top_logprobs = 0
         self.logprobs = route != "/generate" and self.return_logprob
         top = body.get("top_logprobs") if route == "/v1/chat/completions" else body.get("logprobs")
-        if top not in (None, True, False):
+        if top is not None and not isinstance(top, bool):
             if not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
                 raise EngineError(400, f"top_logprobs must be an integer within [0, {MAX_TOP_LOGPROBS}], got {top!r}")
             self.top_logprobs = top
@@ -105,6 +105,8 @@ class Parsed:
         self.max_tokens = max_tokens
         self.temperature = float(temp)
         self.stop = [stop] if isinstance(stop, str) else list(stop or [])
+        if route != "/v1/chat/completions" and body.get("tools") not in (None, []):
+            raise EngineError(400, "parameter 'tools' is supported on /v1/chat/completions only")
         try:
             self.script = agent.script_for(body, prompt, max_tokens) if route == "/v1/chat/completions" else None
         except agent.BadRequest as exc:
@@ -300,6 +302,7 @@ def generate_handler(engine: Engine, route: str) -> Handler:
         except EngineError as exc:
             return error(exc.status, exc.message, exc.kind)
         model = str(body.get("model") or cfg.model)
+        engine.seen.append({"rid": req.rid, "traceparent": request.headers.get("traceparent")})
         if cfg.role == "prefill":
             return await _prefill(request, engine, ps, req, model)
         return await _decode(request, engine, ps, req, model)
@@ -491,8 +494,12 @@ def build_router(engine: Engine) -> Router:
     r.add("GET", p.LOADS_PATH, loads)
     r.add("GET", p.METRICS_PATH, metrics_handler)
     r.add("POST", "/flush_cache", flush_cache)
+    async def ext_seen(_: Request) -> Response:
+        return jsonr({"seen": list(engine.seen)})
+
     if cfg.extension:
         r.add("GET", p.EXT_REQUESTS_PATH, ext_requests)
+        r.add("GET", "/pdgate/v1/seen", ext_seen)  # the last requests' rid and trace context (tests read it)
     for method in ("GET", "POST"):
         r.add(method, p.EXT_FAULTS_PATH, ext_faults)
     return r

@@ -17,6 +17,7 @@ import logging
 import random
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -136,6 +137,7 @@ class Engine:
         self._routes: set[str] = set()  # bootstrap servers whose /route we already know (SGLang caches it)
         self._http: Client | None = None  # keep-alive connections to prefill bootstrap servers
         self._tasks: set[asyncio.Task[Any]] = set()
+        self.seen: deque[dict[str, Any]] = deque(maxlen=64)  # the last generation requests' rid and traceparent
 
     # ---- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:

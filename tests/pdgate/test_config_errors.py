@@ -48,3 +48,23 @@ def test_a_taken_port_is_one_line_naming_the_flag() -> None:
         assert f"--port = {port}: cannot listen there" in out.stderr and "(choose another with --port)" in out.stderr
         out = serve("--port", str(free_port()), "--admin-port", str(port))
         assert out.returncode == 2 and f"--admin-port = {port}: cannot listen there" in out.stderr, out.stderr
+
+
+def test_every_error_at_once_with_the_file_and_the_nearest_key(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[gateway]\nport = "30005"\npolcy = "session"\nmax_attempts = 0\n[admision]\ncapacity = 1\n'
+                   '[deadlines]\nttft_s = -1\n[routing]\ncache_treshold = 0.5\n[[prefill]]\nurl = "abc"\n[[decode]]\n'
+                   'bootstrap_port = 1\n')
+    out = serve("--config", str(cfg))
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    lines = [ln.strip() for ln in out.stderr.splitlines() if ln.strip().startswith(str(cfg))]
+    assert "8 errors:" in out.stderr and len(lines) == 8, out.stderr
+    for words in ("gateway.port = '30005': must be a whole number",
+                  "gateway.polcy = 'session': unknown key; did you mean 'policy'?",
+                  "gateway.max_attempts = 0: must be > 0",
+                  "admision = '...': unknown section; did you mean 'admission'?",
+                  "deadlines.ttft_s = -1: must be > 0",
+                  "routing.cache_treshold = 0.5: unknown key; did you mean 'cache_threshold'?",
+                  "prefill[0].url = 'abc': must start with http://",
+                  "decode[0] = '...': missing url"):
+        assert any(words in ln for ln in lines), (words, out.stderr)
