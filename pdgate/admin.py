@@ -18,7 +18,7 @@ from urllib.parse import quote
 import orjson
 
 from h1lite.server import Request, Response, Stream, json_response
-from pdgate import health, protocol, traces
+from pdgate import dashboard, health, protocol, traces
 from pdgate.auth import Admin, Tenant
 from pdgate.config import (
     ConfigError,
@@ -322,5 +322,7 @@ ROUTES: list[tuple[str, str, Handler, str | None]] = [
     ("GET", "/v1/requests", list_requests, None),
     ("GET", "/v1/requests/{id}", get_request, None),
     ("POST", "/v1/requests/{id}/abort", abort_request, "request.abort"),
+    ("GET", "/v1/dashboard", dashboard.snapshot, None),
+    ("GET", dashboard.PAGE_PATH, dashboard.dashboard_page, None),
 ]
 REQUEST_PATHS = ("/v1/requests", "/v1/requests/{id}", "/v1/requests/{id}/abort")  # on the front door too (own only)

@@ -232,7 +232,7 @@ def worker_families(workers: list[Any], now: float, oldest_age: float, stale_ret
 
 
 def policy_families(policies: dict[str, Any]) -> Iterator[Metric]:
-    """Each role's policy decisions (session: sticky, moved, new, none; cache_aware: cache, new, balance)."""
+    """Each role's policy decisions (session: sticky, moved, new, none; cache_aware: cache, new, balance, only)."""
     c = CounterMetricFamily("pdgate_policy_decisions", "Worker choices by the request-aware policies, by what decided",
                             labels=["role", "policy", "decision"])
     for role, pol in policies.items():

@@ -345,7 +345,7 @@ class CacheAware(Policy):
     def __init__(self, cfg: RoutingConfig | None = None) -> None:
         self.cfg = cfg or RoutingConfig()
         self.index = PrefixIndex(self.cfg.block_chars, self.cfg.max_blocks)
-        self.decisions = {"cache": 0, "new": 0, "balance": 0}
+        self.decisions = {"cache": 0, "new": 0, "balance": 0, "only": 0}
 
     def prefix(self, req: RequestView) -> list[int]:
         if req.prefix is None:
@@ -356,6 +356,7 @@ class CacheAware(Policy):
         if not workers:
             return None
         if len(workers) == 1:
+            self.decided(req, "only")
             return 0
         loads = [w.load for w in workers]
         low = min(loads)

@@ -29,7 +29,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from h1lite.errors import HTTPError
 from h1lite.server import Request, Response, Router, Server, Stream, json_response
-from pdgate import access_log, admin, health, proxy, reconcile, validation
+from pdgate import access_log, admin, dashboard, health, proxy, reconcile, validation
 from pdgate.auth import Admin, Tenant, bearer
 from pdgate.config import ConfigError, GatewayConfig, is_loopback, worker_hosts_allowed
 from pdgate.errors import Forbidden, RateLimited, Unauthorized, one_line
@@ -187,6 +187,8 @@ def admin_keys(app: App) -> Middleware:
 
     def wrap(nxt: Dispatch) -> Dispatch:
         async def run(request: Request) -> Response | Stream:
+            if request.path == dashboard.PAGE_PATH and request.method == "GET" and keys is not None:
+                return await nxt(request)  # the page holds no data; its calls carry the key
             if keys is None:
                 why = from_a_browser(request, admin_host)
                 if why is not None:

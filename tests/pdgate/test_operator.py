@@ -1,0 +1,80 @@
+"""The operator's metrics: tokens, TPOT and TTFT by model, and the Grafana board in config/grafana, whose every
+expression must name a metric the gateway exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import aiohttp
+
+from pdgate.metrics import OTHER_MODEL, Metrics
+from pdgate.record import Phase
+from tests.pdgate.harness import make_config, start_gateway
+from tests.procs import ROOT, Procs
+
+CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+
+
+def exported(text: str) -> set[str]:
+    """Series names the exposition offers (a counter's _total, a histogram's _bucket/_count/_sum)."""
+    names: set[str] = set()
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M):
+        counter = name if name.endswith("_total") else f"{name}_total"  # prometheus_client's TYPE line has _total
+        names |= {"counter": {counter}, "histogram": {f"{name}_bucket", f"{name}_count", f"{name}_sum"}}.get(kind, {name})
+    return names
+
+
+def sample(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            got = dict(re.findall(r'(\w+)="([^"]*)"', line.split(" ")[0]))
+            if all(got.get(k) == v for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name}{labels} not in /metrics")
+
+
+async def test_tokens_tpot_and_ttft_by_model_and_the_grafana_board(procs: Procs, gateways: list[Any]) -> None:
+    p, d = procs.pair()
+    g = await start_gateway(make_config([p], [d], policy="cache_aware"))
+    gateways.append(g)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(g.url + "/v1/chat/completions", json=CHAT) as r:
+            assert r.status == 200
+        async with http.post(g.url + "/v1/chat/completions", json={**CHAT, "stream": True}) as r:
+            assert r.status == 200
+            await r.read()
+        async with http.get(g.admin + "/metrics") as r:
+            text = await r.text()
+    assert sample(text, "pdgate_tokens_total", model="sim-model", kind="completion") == 10
+    assert sample(text, "pdgate_tokens_total", model="sim-model", kind="prompt") > 0  # from the non-stream's usage
+    assert sample(text, "pdgate_tpot_seconds_count", model="sim-model") == 1, "the stream's 5 tokens: one TPOT"
+    assert sample(text, "pdgate_ttft_seconds_count", model="sim-model") == 2
+    assert sample(text, "pdgate_model_requests_total", model="sim-model", outcome="completed") == 2
+    assert sample(text, "pdgate_policy_decisions_total", role="prefill", policy="cache_aware", decision="only") == 2
+    board = json.loads((ROOT / "config" / "grafana" / "pdgate.json").read_text())
+    exprs = [t["expr"] for panel in board["panels"] for t in panel["targets"]]
+    assert len(exprs) >= 16
+    offered = exported(text)
+    for e in exprs:
+        for name in re.findall(r"\bpdgate_[a-z0-9_]+", e):
+            assert name in offered, f"{name} (in {e!r}) is not a metric the gateway exports"
+
+
+def test_model_labels_stay_bounded() -> None:
+    m = Metrics()
+    m.models = lambda: frozenset({"m1"})
+    assert m.model_label("m1") == "m1" and m.model_label("anything a client sends") == OTHER_MODEL
+    assert m.model_label(None) == ""
+
+    class Rec:
+        route, model, tenant, created, finished_at = "/v1/chat/completions", "x" * 100, None, 0.0, 1.0
+        first_token_at, last_token_at, completion_tokens, prompt_tokens, chunks = 0.1, 0.5, 5, 3, 5
+
+    for i in range(100):
+        Rec.model = f"client-{i}"
+        m.on_transition(Rec(), Phase.DECODE, Phase.COMPLETED, 0.1)  # type: ignore[arg-type]
+    assert set(m.ttft_hist) == {OTHER_MODEL} and set(m.tpot_hist) == {OTHER_MODEL}
+    assert m.tokens == {(OTHER_MODEL, "prompt"): 300, (OTHER_MODEL, "completion"): 500}
+    assert abs(m.tpot_hist[OTHER_MODEL].total - 100 * 0.1) < 1e-9  # (0.5 - 0.1) / (5 - 1) each
