@@ -213,19 +213,21 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
     width = 0.8 / len(names)
     titles = ["requests/s (higher is better)", "target CPU µs per request (lower is better)"]
+    ylabels = ["requests per second", "CPU of the target (µs per request)"]
     for i, n in enumerate(names):
         xs = [j + i * width for j in range(len(wls))]
         axes[0].bar(xs, [summary[w][n]["rps"] for w in wls], width, label=n)
         axes[1].bar(xs, [summary[w][n].get("target_cpu_us_per_req", 0) for w in wls], width, label=n)
     if machine:  # what a request costs the whole machine, stacked: target, workers, load generator
         titles.append("all processes' CPU µs per request (target / workers / generator)")
+        ylabels.append("CPU of every process (µs per request)")
         for i, n in enumerate(names):
             xs = [j + i * width for j in range(len(wls))]
             bottom = [0.0] * len(wls)
-            for key, shade in (("target_cpu_us_per_req", 1.0), ("workers_cpu_us_per_req", 0.6),
-                               ("generator_cpu_us_per_req", 0.3)):
+            for key, shade, part in (("target_cpu_us_per_req", 1.0, "target"), ("workers_cpu_us_per_req", 0.6, "workers"),
+                                     ("generator_cpu_us_per_req", 0.3, "generator")):
                 vals = [summary[w][n].get(key, 0.0) for w in wls]
-                axes[2].bar(xs, vals, width, bottom=bottom, color=f"C{i}", alpha=shade)
+                axes[2].bar(xs, vals, width, bottom=bottom, color=f"C{i}", alpha=shade, label=f"{n}: {part}")
                 bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     if paced:  # what each gateway adds over direct where nobody queues for the CPU: p50 solid, p99 light
         ax = axes[-1]
@@ -234,14 +236,19 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
         for i, n in enumerate(others):
             xs = [j + i * w2 for j in range(len(paced))]
             color = f"C{names.index(n)}"
-            ax.bar(xs, [summary[w][n]["p99_added_ms"] for w in paced], w2, color=color, alpha=0.35)
-            ax.bar(xs, [summary[w][n]["p50_added_ms"] for w in paced], w2, color=color)
+            ax.bar(xs, [summary[w][n]["p99_added_ms"] for w in paced], w2, color=color, alpha=0.35, label=f"{n} p99")
+            ax.bar(xs, [summary[w][n]["p50_added_ms"] for w in paced], w2, color=color, label=f"{n} p50")
         ax.set_xticks([j + 0.4 - w2 / 2 for j in range(len(paced))], paced)
         ax.set_title("ms added over direct, paced (p50 solid, p99 light)", fontsize=9)
-    for ax, title in zip(axes, titles, strict=False):
+        ax.set_ylabel("latency added over direct (ms)")
+        ax.set_xlabel("workload")
+    for ax, title, ylabel in zip(axes, titles, ylabels, strict=False):
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(wls))], wls)
         ax.set_title(title, fontsize=9)
-    axes[0].legend(fontsize=8, loc="lower left")
+        ax.set_ylabel(ylabel)
+        ax.set_xlabel("workload")
+    for ax in axes:
+        ax.legend(fontsize=6, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

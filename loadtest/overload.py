@@ -242,7 +242,8 @@ def plot(out: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("offered load (x measured capacity)")
         ax.set_ylabel({"goodput_x_capacity": "x capacity", "terminal_within_deadline": "share of requests",
                        "wasted_prefills": "prefills"}[key])
-    axes[0].legend(fontsize=8, loc="lower left")
+    for ax in axes:
+        ax.legend(fontsize=7, loc="best")
     fig.suptitle(f"overload: capacity {out['capacity_rps']} req/s, ttft budget {out['ttft_s']} s, total {out['total_s']} s",
                  fontsize=10)
     fig.tight_layout()

@@ -100,11 +100,12 @@ class Proc:
     log: Path
     popen: subprocess.Popen[bytes] | None = None
     new_session: bool = False  # its own session and process group (as a shell's job): killpg reaches it alone
+    cwd: Path | None = None  # where it runs (default: the repository)
 
     def start(self) -> Proc:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         with open(self.log, "ab") as out:
-            self.popen = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            self.popen = subprocess.Popen(self.args, cwd=self.cwd or ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=self.new_session)
         return self
 

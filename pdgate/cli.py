@@ -34,20 +34,40 @@ DEFAULT_ADMIN = "http://127.0.0.1:30002"
 LOCAL_ADMIN_KEY = Path(".pdgate/admin.key")  # where `pdgate up` writes the admin key it makes
 
 
+class HELP(argparse.ArgumentDefaultsHelpFormatter):
+    """Every option's help says its default (when it has one worth saying)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, argparse.SUPPRESS) or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="TOML file (see config/pdgate.toml)")
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--admin-host", help="the admin plane's address (default 127.0.0.1)")
-    p.add_argument("--admin-port", type=int, help="the admin plane's port (default 30002; 0: any free one)")
+    p.add_argument("--config", help="TOML file (see config/pdgate.toml; flags override it)")
+    p.add_argument("--host", help="the front door's address (config default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="the front door's port (config default 30001)")
+    p.add_argument("--admin-host", help="the admin plane's address (config default 127.0.0.1)")
+    p.add_argument("--admin-port", type=int, help="the admin plane's port (config default 30002; 0: any free one)")
     p.add_argument("--admin-socket", help="serve the admin plane on this Unix socket instead")
-    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    p.add_argument("--log-format", choices=("text", "json"), help="the access log's lines (config default text)")
+
+
+def _admin_flags(p: argparse.ArgumentParser) -> None:
+    default = os.environ.get("PDGATE_ADMIN_URL") or os.environ.get("PDGATE_GATEWAY") or DEFAULT_ADMIN
+    p.add_argument("--admin", "--gateway", dest="admin", default=default,
+                   help="the admin plane: http://host:port or unix:/path (env PDGATE_ADMIN_URL or PDGATE_GATEWAY)")
+    p.add_argument("--admin-key", help="the admin key (env PDGATE_ADMIN_KEY, PDGATE_ADMIN_KEY_FILE, or "
+                   f"{LOCAL_ADMIN_KEY} as `pdgate up` writes it)")
+    p.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdgate", description="PD-disaggregation gateway for SGLang")
+    parser = argparse.ArgumentParser(prog="pdgate", description="PD-disaggregation gateway for SGLang",
+                                     formatter_class=HELP)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("serve", help="run the gateway in front of existing workers")
+    p = sub.add_parser("serve", help="run the gateway in front of existing workers", formatter_class=HELP)
     _add_gateway_flags(p)
     p.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
                    help="a prefill worker and its bootstrap port (repeatable)")
@@ -56,10 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "session and cache_aware choose the prefill, the decode then goes by least_loaded)")
     p.add_argument("--prefill-policy", choices=config.POLICIES, help="the prefill's choice (default: --policy)")
     p.add_argument("--decode-policy", choices=config.LOAD_POLICIES, help="the decode's choice (default: --policy)")
-    p.add_argument("--max-attempts", type=int)
-    p = sub.add_parser("up", help="start the workers of a cluster file and the gateway in front of them")
+    p.add_argument("--max-attempts", type=int, help="attempts per request, 1..9 (config default 3)")
+    p = sub.add_parser("up", help="start the workers of a cluster file and the gateway in front of them",
+                       formatter_class=HELP)
     _add_gateway_flags(p)
-    p.add_argument("--cluster", default="config/cluster.sim.toml")
+    p.add_argument("--cluster", default="config/cluster.sim.toml",
+                   help="the cluster file (outside a checkout, the default is the example packaged with pdgate); "
+                   "worker logs go to <its log_dir>/pdgate-<port>/")
     p.add_argument("--admin-key-file", default=str(LOCAL_ADMIN_KEY),
                    help="without an admin key in the config, the one made for the admin plane is kept here")
     p.add_argument("--allow-unsafe-kernel-profile", action="store_true",
@@ -67,24 +90,25 @@ def build_parser() -> argparse.ArgumentParser:
     for name, helptext in (("ps", "live requests"), ("workers", "workers: health, breaker, load, engine queues"),
                            ("top", "live refresh of ps and workers"), ("trace", "one request's timeline"),
                            ("abort", "abort one live request")):
-        p = sub.add_parser(name, help=helptext)
-        p.add_argument("--admin", "--gateway", dest="admin", default=os.environ.get("PDGATE_ADMIN_URL", DEFAULT_ADMIN),
-                       help="the admin plane: http://host:port or unix:/path (env PDGATE_ADMIN_URL)")
-        p.add_argument("--admin-key", help="the admin key (env PDGATE_ADMIN_KEY, PDGATE_ADMIN_KEY_FILE, or "
-                       f"{LOCAL_ADMIN_KEY} as `pdgate up` writes it)")
-        p.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
+        p = sub.add_parser(name, help=helptext, formatter_class=HELP)
+        _admin_flags(p)
         if name in ("trace", "abort"):
-            p.add_argument("id")
+            p.add_argument("id", help="the request's id (x-request-id), an attempt's rid, or the client's x-request-id")
+        if name in ("ps", "workers", "top"):
+            p.add_argument("--wide", action="store_true", help="more columns (the default view fits 80 columns)")
         if name == "ps":
-            p.add_argument("--phase")
-            p.add_argument("--worker")
-            p.add_argument("--min-age", type=float)
+            p.add_argument("--phase", help="only requests in this phase (queued, dispatched, prefill, decode, ...)")
+            p.add_argument("--worker", help="only requests on this worker id")
+            p.add_argument("--min-age", type=float, help="only requests at least this many seconds old")
         if name == "top":
-            p.add_argument("--interval", type=float, default=1.0)
+            p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
             p.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0: until Ctrl-C)")
-    p = sub.add_parser("keys", help="make a client or admin key (the key is printed once; the file keeps its hash)")
+    p = sub.add_parser("keys", help="make a client or admin key (the key is printed once; the file keeps its hash)",
+                       formatter_class=HELP)
     ks = p.add_subparsers(dest="keys_cmd", required=True)
-    k = ks.add_parser("new", help="make a key and add its [[keys]] (or [[admin_keys]]) entry to a keys file")
+    k = ks.add_parser("new", help="make a key and add its [[keys]] (or [[admin_keys]]) entry to a keys file",
+                      formatter_class=HELP)
+    k.add_argument("--json", action="store_true", help="print the key and its entry as one JSON object")
     k.add_argument("name", help="the tenant's (or operator's) name: metrics, logs and traces show it")
     k.add_argument("--file", default="keys.toml", help="the keys file (gateway.keys_file) to append to")
     k.add_argument("--admin", action="store_true", help="an admin key instead of a client key")
@@ -93,8 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
         k.add_argument(f"--{flag}", type=int)
     for flag in ("max-total-s", "max-ttft-s", "max-idle-s"):
         k.add_argument(f"--{flag}", type=float)
-    k.add_argument("--priority", choices=config.PRIORITIES)
-    ks.add_parser("hash", help="print the stored form (sha256:...) of a key read from stdin")
+    k.add_argument("--priority", choices=config.PRIORITIES, help="its queue class (config default normal)")
+    h = ks.add_parser("hash", help="print the stored form (sha256:...) of a key read from stdin", formatter_class=HELP)
+    h.add_argument("--json", action="store_true", help="print {\"hash\": ...}")
     return parser
 
 
@@ -112,7 +137,8 @@ def build_config(args: argparse.Namespace) -> config.GatewayConfig:
 
 
 def admin_flags(args: argparse.Namespace) -> dict[str, Any]:
-    return {"admin_host": args.admin_host, "admin_port": args.admin_port, "admin_socket": args.admin_socket}
+    return {"admin_host": args.admin_host, "admin_port": args.admin_port, "admin_socket": args.admin_socket,
+            "log_format": args.log_format}
 
 
 async def run_serve(cfg: config.GatewayConfig) -> None:
@@ -200,21 +226,22 @@ def operator_command(args: argparse.Namespace) -> None:
         q = "&".join(f"{k}={v}" for k, v in (("phase", args.phase), ("worker", args.worker), ("min_age_s", args.min_age))
                      if v is not None)
         data = gw.get("/v1/requests" + (f"?{q}" if q else ""))
-        console.print_json(data=data) if args.json else console.print(views.ps_table(data))
+        print(json.dumps(data)) if args.json else console.print(views.ps_table(data, args.wide))
     elif args.cmd == "workers":
         data = gw.get("/v1/workers")
-        console.print_json(data=data) if args.json else console.print(views.workers_table(data))
+        print(json.dumps(data)) if args.json else console.print(views.workers_table(data, args.wide))
     elif args.cmd == "trace":
         data = gw.get(f"/v1/requests/{args.id}")
-        console.print_json(data=data) if args.json else console.print(views.trace_view(data))
+        print(json.dumps(data)) if args.json else console.print(views.trace_view(data))
     elif args.cmd == "abort":
         status, body = gw.call(f"/v1/requests/{args.id}/abort", "POST")
-        console.print_json(data=body)
+        print(json.dumps(body)) if args.json else console.print_json(data=body)
         if status != 200:
             raise SystemExit(1)
     elif args.cmd == "top":
         def frame() -> Group:
-            return Group(views.ps_table(gw.get("/v1/requests")), views.workers_table(gw.get("/v1/workers")))
+            return Group(views.ps_table(gw.get("/v1/requests"), args.wide),
+                         views.workers_table(gw.get("/v1/workers"), args.wide))
 
         n = 0
         if args.json:  # one JSON object per refresh, one per line (for a pipe)
@@ -240,7 +267,8 @@ def operator_command(args: argparse.Namespace) -> None:
 
 def keys_command(args: argparse.Namespace) -> None:
     if args.keys_cmd == "hash":
-        print(config.hash_key(sys.stdin.readline().strip()))
+        digest = config.hash_key(sys.stdin.readline().strip())
+        print(json.dumps({"hash": digest}) if args.json else digest)
         return
     key = auth.new_key()
     entry: dict[str, Any] = {"name": args.name, "hash": config.hash_key(key)}
@@ -267,7 +295,7 @@ def keys_command(args: argparse.Namespace) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     with os.fdopen(fd, "a") as f:
         f.write("\n".join(lines) + "\n")
-    print(key)
+    print(json.dumps({"key": key, "table": table, "entry": entry, "file": str(path)}) if args.json else key)
     print(f"pdgate: {'admin' if args.admin else 'client'} key '{args.name}' added to {path} (only its hash is kept "
           "there; this is the one time the key is shown)", file=sys.stderr)
 

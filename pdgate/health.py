@@ -48,8 +48,9 @@ async def check(gw: Gateway, w: Worker) -> None:
             w.foreign = max(0, held - len(w.bound)) if "num_running_reqs" in w.engine else 0
         elif w.last_error is None or not w.last_error.startswith("/server_info"):
             w.last_error = f"/health answered {status}"
-    except OSError as exc:
-        w.last_error = one_line(f"{exc.__class__.__name__}: {exc}")
+    except OSError as exc:  # a timeout's message is empty: say what it was
+        detail = str(exc) or (f"no answer within {cfg.timeout_s:g}s" if isinstance(exc, TimeoutError) else "no detail")
+        w.last_error = one_line(f"{exc.__class__.__name__}: {detail}")
     if ok:
         on_up(gw, w, info if isinstance(info, dict) else {})
     else:

@@ -10,14 +10,61 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
-from engine.supervisor import Supervisor, load_cluster
+from engine.supervisor import Cluster, Supervisor, load_cluster
 from pdgate import auth, config
 from pdgate.server import build_app, serve
 
 LOCAL_ADMIN_KEY = Path(".pdgate/admin.key")  # the CLI looks here too (pdgate.cli)
+DEFAULT_CLUSTER = "config/cluster.sim.toml"
+EXAMPLE_CLUSTER = Path(__file__).parent / "examples" / "cluster.sim.toml"  # packaged: `pdgate up` works anywhere
+
+
+def cluster_file(path: str) -> Path:
+    """The cluster file to run: the one named, or, for the default name outside a checkout, the packaged example."""
+    p = Path(path)
+    if p.exists() or path != DEFAULT_CLUSTER:
+        if not p.exists():
+            raise config.ConfigError("--cluster", path, "no such file")
+        return p
+    log.info("no %s here: running the example cluster packaged with pdgate (%s)", DEFAULT_CLUSTER, EXAMPLE_CLUSTER)
+    return EXAMPLE_CLUSTER
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a listener binds: TIME_WAIT is not "in use"
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError:
+            return False
+    return True
+
+
+def check_ports(cfg: config.GatewayConfig, cluster: Cluster) -> None:
+    """Before anything starts: every port this cluster needs is free, or one line says which is taken (a second
+    `pdgate up` of the same cluster, most often) and how to choose another."""
+    taken = []
+    for w in cluster.workers:
+        for what, port in (("port", w.port), ("bootstrap_port", w.bootstrap_port)):
+            if port is not None and not port_free("127.0.0.1", port):
+                taken.append(f"worker {w.name} {what} {port}")
+    if taken:
+        raise config.ConfigError("--cluster", ", ".join(taken), "in use: is this cluster already up? Stop it, or "
+                                 "give another cluster file whose ports are free")
+    if not port_free(cfg.host, cfg.port):
+        raise config.ConfigError("--port", cfg.port, "cannot listen there: in use (choose another with --port)")
+    if cfg.admin_socket is None and cfg.admin_port and not port_free(cfg.admin_host, cfg.admin_port):
+        raise config.ConfigError("--admin-port", cfg.admin_port, "cannot listen there: in use (choose another with "
+                                 "--admin-port)")
+
+
+def per_instance(cluster: Cluster, port: int) -> Cluster:
+    """Logs of this instance apart from any other's: ``<log_dir>/pdgate-<port>/<worker>.log``."""
+    return dataclasses.replace(cluster, log_dir=cluster.log_dir / f"pdgate-{port}")
 
 log = logging.getLogger("pdgate.up")
 
@@ -64,7 +111,10 @@ async def run_up(cluster_path: str, config_path: str | None, host: str | None, p
                  allow_unsafe_kernel_profile: bool = False, admin: dict[str, Any] | None = None,
                  admin_key_file: Path = LOCAL_ADMIN_KEY) -> None:
     base = config.load(config_path)
-    cluster = load_cluster(cluster_path, allow_unsafe_kernel_profile)
+    cluster = load_cluster(cluster_file(cluster_path), allow_unsafe_kernel_profile)
+    planned = config.override(base, host=host, port=port, **(admin or {}))
+    check_ports(planned, cluster)
+    cluster = per_instance(cluster, planned.port)
     sup = Supervisor(cluster, base.worker_api_key)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -2,49 +2,76 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-BAR = 40
+BAR = 30
 
 
 def _s(v: Any) -> str:
     return "-" if v is None else str(v)
 
 
-def ps_table(data: dict[str, Any]) -> Table:
-    t = Table(title=f"live requests: {data.get('count', 0)}")
-    widest = max((len(r["id"]) for r in data.get("requests", [])), default=2)
-    for col in ("id", "phase", "age s", "attempt", "prefill", "decode", "deadline", "left s", "chunks"):
-        if col == "id":  # what `trace` and `abort` take: never cut, the other columns give way
-            t.add_column(col, no_wrap=True, min_width=widest)
-            continue
-        t.add_column(col, justify="right" if col in ("age s", "left s", "attempt", "chunks") else "left")
-    for r in data.get("requests", []):
-        d = r.get("deadline") or {}
-        left = d.get("left_s")
-        t.add_row(r["id"], r["phase"], f"{r['age_s']:.2f}", str(r["attempt"]), _s(r["prefill"]), _s(r["decode"]),
-                  _s(d.get("next")), Text(f"{left:.2f}", style="red" if left is not None and left < 1 else "") if left is not None
-                  else Text("-"), str(r.get("chunks", 0)))
+NUMERIC = frozenset({"age s", "left s", "attempt", "chunks", "load", "restarts", "orphans", "drift"})
+HEADERS = {"prefill": "pre", "decode": "dec", "deadline": "next", "age s": "age", "left s": "left"}
+WHOLE = frozenset({"id", "url"})  # never wrapped: what `trace`, `abort` and curl take
+
+
+def _table(title: str, cols: list[str], rows: Sequence[dict[str, Any]] = ()) -> Table:
+    """A table that never cuts a value: the id and url columns keep their width, the others wrap (``fold``) when
+    the terminal or pipe is narrow; none ends in an ellipsis. No vertical rules (80 columns hold a 37-character id
+    and the rest). Compact by default: ``--wide`` adds the columns an operator needs less often."""
+    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
+    for col in cols:
+        if col in WHOLE:
+            t.add_column(col, no_wrap=True, min_width=max((len(str(r.get(col, ""))) for r in rows), default=2))
+        else:
+            t.add_column(HEADERS.get(col, col), overflow="fold", justify="right" if col in NUMERIC else "left")
     return t
 
 
-def workers_table(data: dict[str, Any]) -> Table:
-    t = Table(title="workers")
-    for col in ("id", "role", "url", "health", "breaker", "load", "restarts", "identity", "fixes", "orphans", "drift",
-                "engine queues"):
-        t.add_column(col)
-    for w in data.get("workers", []):
+def ps_table(data: dict[str, Any], wide: bool = False) -> Table:
+    reqs = data.get("requests", [])
+    cols = ["id", "phase", "age s", "prefill", "decode", "deadline", "left s"]
+    if wide:
+        cols += ["attempt", "chunks", "model", "tenant"]
+    t = _table(f"live requests: {data.get('count', 0)} (age, left: seconds)", cols, reqs)
+    for r in reqs:
+        d = r.get("deadline") or {}
+        left = d.get("left_s")
+        row: list[Any] = [r["id"], r["phase"], f"{r['age_s']:.2f}", _s(r["prefill"]), _s(r["decode"]), _s(d.get("next")),
+                          Text(f"{left:.2f}", style="red" if left < 1 else "") if left is not None else Text("-")]
+        if wide:
+            row += [str(r["attempt"]), str(r.get("chunks", 0)), _s(r.get("model")), _s(r.get("tenant"))]
+        t.add_row(*row)
+    return t
+
+
+def workers_table(data: dict[str, Any], wide: bool = False) -> Table:
+    ws = data.get("workers", [])
+    cols = ["id", "role", "url", "state", "load", "restarts", "engine queues"]
+    if wide:
+        cols += ["identity", "fixes", "orphans", "drift", "last error"]
+    t = _table("workers", cols, ws)
+    for w in ws:
         state = "degraded" if w["degraded"] else ("up" if w["healthy"] else "down")
         style = {"up": "green", "down": "red", "degraded": "yellow"}[state]
+        if w["breaker"] != "closed":  # health and breaker in one column: what a worker may be sent
+            state, style = f"{state}, breaker {w['breaker']}", "yellow"
         eng = w.get("engine") or {}
-        queues = " ".join(f"{k.replace('_queue_reqs', '').replace('num_', '')}={v}" for k, v in eng.items() if v)
-        t.add_row(w["id"], w["role"], w["url"], Text(state, style=style), w["breaker"], str(w["load"]), str(w["restarts"]),
-                  (w.get("identity") or "-")[:8], ",".join(w.get("fixes") or []) or "-", str(w.get("orphans", 0)),
-                  str(w.get("drift", 0)), queues or "idle")
+        queues = " ".join(f"{k.replace('_queue_reqs', '').replace('num_', '').replace('_reqs', '')}={v}"
+                          for k, v in eng.items() if v)
+        row: list[Any] = [w["id"], w["role"], w["url"], Text(state, style=style), str(w["load"]), str(w["restarts"]),
+                          queues or "idle"]
+        if wide:
+            row += [w.get("identity") or "-", ",".join(w.get("fixes") or []) or "-", str(w.get("orphans", 0)),
+                    str(w.get("drift", 0)), _s(w.get("last_error"))]
+        t.add_row(*row)
     return t
 
 
@@ -54,7 +81,7 @@ def trace_view(t: dict[str, Any]) -> Group:
         if i == 1:  # the id is never cut (what `trace` and `abort` take)
             head.add_column(no_wrap=True, min_width=len(t["id"]))
         else:
-            head.add_column()
+            head.add_column(overflow="fold")
     head.add_row("request", t["id"], "route", t["route"], "model", _s(t.get("model")))
     head.add_row("outcome", Text(_s(t.get("outcome") or t["phase"]),
                                  style="green" if t.get("outcome") == "completed" else "red" if t.get("outcome") else "yellow"),
@@ -68,7 +95,7 @@ def trace_view(t: dict[str, Any]) -> Group:
     end = tm.get("e2e") or t["age_s"]
     phases = Table(title="phases", show_header=True)
     for col in ("phase", "start s", "took s", "timeline"):
-        phases.add_column(col)
+        phases.add_column(col, overflow="fold")
     ph = t["phases"]
     for i, p in enumerate(ph):
         start = p["t"]
@@ -84,16 +111,15 @@ def trace_view(t: dict[str, Any]) -> Group:
         at = Table(title=f"attempt {att['n']}: prefill {att['prefill']}, decode {att['decode']}, rid {att['rid']}, "
                          f"room {att['bootstrap_room']}" + (f"  error: {att['error']}" if att.get("error") else ""))
         at.add_column("t s", justify="right")
-        at.add_column("event")
-        at.add_column("info")
+        at.add_column("event", overflow="fold")
+        at.add_column("info", overflow="fold")
         for e in att["events"]:
             at.add_row(f"{e['t']:.4f}", e["event"], _s(e.get("info")) if "info" in e else "")
         parts.append(at)
     if t.get("engine"):
         eng = Table(title="engine view (pdgate extension)")
-        eng.add_column("worker")
-        eng.add_column("queue")
-        eng.add_column("since s")
+        for col in ("worker", "queue", "since s"):
+            eng.add_column(col, overflow="fold")
         for wid, e in t["engine"].items():
             eng.add_row(wid, _s(e.get("queue")), _s(e.get("since_s")))
         parts.append(eng)

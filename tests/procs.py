@@ -33,8 +33,9 @@ class Procs:
     procs: list[Proc] = field(default_factory=list)
 
     def spawn(self, args: Sequence[str], env: dict[str, str] | None = None, name: str = "proc",
-              new_session: bool = False) -> Proc:
-        p = Proc(list(args), env or {}, self.tmp / f"{name}-{len(self.procs)}.log", new_session=new_session).start()
+              new_session: bool = False, cwd: Path | None = None) -> Proc:
+        p = Proc(list(args), env or {}, self.tmp / f"{name}-{len(self.procs)}.log", new_session=new_session,
+                 cwd=cwd).start()
         self.procs.append(p)
         return p
 

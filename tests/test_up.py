@@ -101,7 +101,10 @@ def cli(admin: str, *args: str, key_file: Path | None = None, check: bool = True
 
 
 def up_command(tmp_path: Path, port: int, admin_port: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "pdgate", "up", "--cluster", str(cluster_file(tmp_path, 1, 1)), "--port", str(port),
+    cluster = tmp_path / "cluster.toml"
+    if not cluster.exists():  # one cluster per test directory: a second `up` in the same test runs the same one
+        cluster_file(tmp_path, 1, 1)
+    return [sys.executable, "-m", "pdgate", "up", "--cluster", str(cluster), "--port", str(port),
             "--admin-port", str(admin_port), "--admin-key-file", str(tmp_path / "admin.key"), *extra]
 
 
@@ -154,3 +157,76 @@ def test_pdgate_up_end_to_end(procs: Procs, tmp_path: Path) -> None:
     assert up.popen.wait(15) == 0
     time.sleep(0.2)
     assert [n for n, pid in pids.items() if alive(pid)] == [], "no worker may outlive pdgate up"
+
+
+def test_a_second_up_of_the_same_cluster_is_refused_before_it_starts_anything(procs: Procs, tmp_path: Path) -> None:
+    port, admin_port = free_port(), free_port()
+    first = procs.spawn(up_command(tmp_path, port, admin_port), name="pdgate-up")
+    wait_http(f"http://127.0.0.1:{port}/readiness", timeout=60, proc=first.popen)
+    logs = tmp_path / "logs" / f"pdgate-{port}"
+    assert sorted(p.name for p in logs.iterdir()) == ["decode-0.log", "prefill-0.log"], "logs per instance"
+    sizes = {p.name: p.stat().st_size for p in logs.iterdir()}
+    other = free_port()
+    out = subprocess.run(up_command(tmp_path, other, free_port()), cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "worker prefill-0 port" in out.stderr and "in use: is this cluster already up?" in out.stderr, out.stderr
+    assert not (tmp_path / "logs" / f"pdgate-{other}").exists(), "nothing of the second one started"
+    assert {p.name: p.stat().st_size for p in logs.iterdir()} == sizes, "nor did it write into the first one's logs"
+    elsewhere = tmp_path / "b"
+    elsewhere.mkdir()
+    gw_taken = subprocess.run([sys.executable, "-m", "pdgate", "up", "--cluster", str(cluster_file(elsewhere)),
+                               "--port", str(port), "--admin-port", str(free_port()),
+                               "--admin-key-file", str(tmp_path / "admin.key")],
+                              cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert gw_taken.returncode == 2 and f"--port = {port}: cannot listen there" in gw_taken.stderr, gw_taken.stderr
+    assert "choose another with --port" in gw_taken.stderr
+
+
+EXAMPLE_PORTS = (30010, 30011, 30020, 30021, 30910, 30911)
+
+
+def test_up_from_any_directory_runs_the_packaged_example(procs: Procs, tmp_path: Path) -> None:
+    from pdgate.up import port_free
+
+    if not all(port_free("127.0.0.1", p) for p in EXAMPLE_PORTS):
+        pytest.skip(f"the example cluster's ports {EXAMPLE_PORTS} are in use here")
+    port, admin_port = free_port(), free_port()
+    up = procs.spawn([sys.executable, "-m", "pdgate", "up", "--port", str(port), "--admin-port", str(admin_port)],
+                     name="pdgate-up-example", cwd=tmp_path)
+    wait_http(f"http://127.0.0.1:{port}/readiness", timeout=90, proc=up.popen)
+    status, body, _ = post(f"http://127.0.0.1:{port}/v1/chat/completions", {"model": "sim-model", "messages": [
+        {"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    assert (tmp_path / "logs" / f"pdgate-{port}" / "prefill-0.log").exists()
+    assert (tmp_path / ".pdgate" / "admin.key").exists()
+
+
+def test_cli_reads_at_80_columns_and_in_a_pipe(procs: Procs, tmp_path: Path) -> None:
+    port, admin_port = free_port(), free_port()
+    up = procs.spawn(up_command(tmp_path, port, admin_port), name="pdgate-up")
+    gw, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
+    wait_http(gw + "/readiness", timeout=60, proc=up.popen)
+    _, _, headers = post(gw + "/v1/chat/completions", {"model": "sim-model", "messages": [
+        {"role": "user", "content": "say hi"}], "max_tokens": 4})
+    rid = headers["x-request-id"]
+    env = {**os.environ, "COLUMNS": "80", "PDGATE_GATEWAY": admin, "PDGATE_ADMIN_KEY_FILE": str(tmp_path / "admin.key")}
+    env.pop("PDGATE_ADMIN_URL", None)
+
+    def run(*args: str, columns: str = "80") -> str:
+        out = subprocess.run([sys.executable, "-m", "pdgate", *args], cwd=ROOT, capture_output=True, text=True,
+                             timeout=30, env={**env, "COLUMNS": columns})  # a pipe: laid out for COLUMNS, no colour
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    for args in (("workers",), ("workers", "--wide"), ("trace", rid), ("ps",), ("ps", "--wide")):
+        text = run(*args)
+        assert text.strip() and all(len(line) <= 80 for line in text.splitlines()), (args, text)
+        assert "…" not in text, (args, text)  # nothing cut: values wrap
+    assert rid in run("trace", rid), "the id whole"
+    workers = run("workers")
+    assert "p0" in workers and "http://127.0.0.1:" in workers.replace("\n", "")
+    assert "identity" not in workers and "identity" in run("workers", "--wide", columns="200")
+    for args in (("workers", "--json"), ("ps", "--json"), ("trace", rid, "--json")):
+        json.loads(run(*args))
+    assert "(default: http://127.0.0.1:30002)" in run("ps", "--help").replace("\n", " ").replace("  ", " ") or \
+        "default:" in run("ps", "--help")

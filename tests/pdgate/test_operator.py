@@ -78,3 +78,30 @@ def test_model_labels_stay_bounded() -> None:
     assert set(m.ttft_hist) == {OTHER_MODEL} and set(m.tpot_hist) == {OTHER_MODEL}
     assert m.tokens == {(OTHER_MODEL, "prompt"): 300, (OTHER_MODEL, "completion"): 500}
     assert abs(m.tpot_hist[OTHER_MODEL].total - 100 * 0.1) < 1e-9  # (0.5 - 0.1) / (5 - 1) each
+
+
+async def test_a_worker_that_never_answers_is_down_with_a_reason(gateways: list[Any]) -> None:
+    """`down: TimeoutError: ` said nothing: a timeout's message is empty. Now the reason names the wait."""
+    import asyncio
+    import socket
+
+    from pdgate.config import HealthConfig
+    from tests.procs import Sim
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # accepts, never answers
+    port = silent.getsockname()[1]
+    try:
+        fake = Sim("prefill", port, port, None)  # type: ignore[arg-type]
+        g = await start_gateway(make_config([fake], [], health=HealthConfig(interval_s=0.2, timeout_s=0.3, failures=1)))
+        gateways.append(g)
+        w = g.gw.pool.by_id["p0"]
+        for _ in range(50):
+            if w.last_error:
+                break
+            await asyncio.sleep(0.1)
+        assert w.last_error == "TimeoutError: no answer within 0.3s", w.last_error
+        assert w.state.value == "down"
+    finally:
+        silent.close()

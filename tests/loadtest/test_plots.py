@@ -1,0 +1,50 @@
+"""Every PNG a load test writes: each panel has axis labels (with units where there are any) and a legend."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+import pytest
+
+from loadtest import affinity, agents, bench, overload, storm
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+ROW = {"rps": 10.0, "target_cpu_us_per_req": 5.0, "machine_cpu_us_per_req": 9.0, "workers_cpu_us_per_req": 3.0,
+       "generator_cpu_us_per_req": 1.0, "p50_added_ms": 0.5, "p99_added_ms": 1.5}
+CASES: dict[str, tuple[Any, Any]] = {
+    "storm": (storm.plot, {"prefill_metrics": ["http://p0/metrics"], "samples": [{"t": 0, "http://p0/metrics": 1},
+                                                                                 {"t": 1, "http://p0/metrics": 0}],
+                           "marks": [{"t": 0.5, "event": "storm"}], "watchdog_line": 2.0, "verdict": "PASS"}),
+    "agents": (agents.plot, {"per_round": [{"round": 1, "requests": 2, "ok": 1, "ttft_p50_ms": 1, "ttft_p95_ms": 2,
+                                            "e2e_p50_ms": 3, "e2e_p95_ms": 4}], "verdict": "FAIL"}),
+    "bench": (bench.plot, {"ns16": {"direct": ROW, "pdgate": ROW}, "ns200rps": {"direct": ROW, "pdgate": ROW}}),
+    "overload": (overload.plot, {"results": {"1x": {"pdgate": {"goodput_x_capacity": 1.0, "terminal_within_deadline": 1.0,
+                                                               "wasted_prefills": 0}}},
+                                 "capacity_rps": 4.0, "ttft_s": 1.5, "total_s": 2.5}),
+    "affinity": (affinity.plot, {"targets": {"round_robin": {"per_round": [{"round": 1, "ttft_p50_ms": 1, "ttft_p99_ms": 2}],
+                                                             "prefill_tokens_computed": 1000, "cache_hit_rate": 0.5}},
+                                 "sessions": 1, "rounds": 1, "prefills": 2, "ratios": {}}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_panel_has_axis_labels_and_a_legend(name: str, tmp_path: Path) -> None:
+    plot, data = CASES[name]
+    plt.close("all")
+    plot(data, tmp_path / f"{name}.png")
+    assert (tmp_path / f"{name}.png").stat().st_size > 5000
+    figs = [plt.figure(n) for n in plt.get_fignums()]
+    assert len(figs) == 1
+    if name == "bench":
+        assert len(figs[0].axes) == 4, "the machine CPU and the paced panels are drawn too"
+    for ax in figs[0].axes:
+        title = ax.get_title() or "?"
+        assert ax.get_xlabel(), f"{name}: panel {title!r} has no x label"
+        assert ax.get_ylabel(), f"{name}: panel {title!r} has no y label"
+        legend = ax.get_legend()
+        assert legend is not None and legend.get_texts(), f"{name}: panel {title!r} has no legend"
+    plt.close("all")
