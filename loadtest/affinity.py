@@ -31,7 +31,7 @@ from rich.table import Table
 
 from loadtest import agents
 from loadtest.output import pyplot, write
-from loadtest.procs import Proc, free_port, wait_http
+from loadtest.procs import Proc, free_port, require_router, wait_http
 
 POLICIES = ("round_robin", "least_loaded", "session", "cache_aware")
 ROUTER = "sglang-router cache_aware"
@@ -127,6 +127,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="pdgate-affinity-"))
     procs: list[Proc] = []
     results: dict[str, Any] = {}
+    if a.router:
+        require_router()
     try:
         prefills, decodes = start_workers(tmp, a, procs)
         names = [*POLICIES, ROUTER] if a.router else list(POLICIES)

@@ -34,7 +34,7 @@ from rich.table import Table
 
 from loadtest import overload
 from loadtest.output import pyplot, write
-from loadtest.procs import Proc, cpu_seconds, free_port, wait_http
+from loadtest.procs import Proc, cpu_seconds, free_port, require_router, wait_http
 
 PING = b'{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}'
 CORES = os.cpu_count() or 1
@@ -72,6 +72,7 @@ class Stack:
 
 def start_targets(stack: Stack, mini_lb: bool, fake: bool = False) -> tuple[dict[str, Any],
                                                                            dict[str, tuple[str, Proc | None]]]:
+    require_router()
     py = sys.executable
     pp, bp, dp = free_port(), free_port(), free_port()
     if fake:  # zero-cost workers: the gateways, not the workers, bound throughput

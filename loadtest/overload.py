@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadtest.output import pyplot, write
-from loadtest.procs import Proc, free_port, wait_http
+from loadtest.procs import Proc, free_port, require_router, wait_http
 
 BODY = {"model": "sim-model", "messages": [{"role": "user", "content": "say hi"}], "max_tokens": 8}
 SLACK_S = 0.05  # an answer this late past its budget still counts as within it (timer and network)
@@ -154,6 +154,7 @@ def summarize(reqs: list[dict[str, Any]], seconds: float, capacity: float, total
 
 def start(tmp: Path, a: argparse.Namespace, procs: list[Proc]) -> tuple[dict[str, str], str, str]:
     """The workers and the four targets; every process goes into ``procs`` as soon as it starts."""
+    require_router()
     py = sys.executable
     pp, bp, dp = free_port(), free_port(), free_port()
     speed = a.prefill_s / 0.004  # the sim's prefill costs speed * 4 ms (plus a little per token)

@@ -127,3 +127,15 @@ class Proc:
 
     def logs(self) -> str:
         return self.log.read_text(errors="replace")
+
+
+ROUTER_MISSING = ("sglang-router is not installed here, and this comparison runs it: "
+                  "pip install sglang-router==0.3.2 (it is in the test extra: pip install -e '.[test]')")
+
+
+def require_router() -> None:
+    """Before a comparison starts anything: sglang-router must be importable, or one line says how to get it."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang_router") is None:
+        raise SystemExit(f"loadtest: {ROUTER_MISSING}")

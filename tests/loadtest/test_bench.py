@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.pdgate.harness import make_config, start_gateway
 from tests.procs import ROOT, Procs
 
@@ -60,3 +62,15 @@ def test_compare_on_fake_workers_serves_every_target(tmp_path: Path) -> None:
     for target in ("direct", "pdgate", "sglang-router"):  # open loop: about the asked rate, whatever the target
         assert 120 <= paced[target]["rps"] <= 280, paced[target]
     assert paced["pdgate"]["p50_added_ms"] == round(paced["pdgate"]["p50_ms"] - paced["direct"]["p50_ms"], 3)
+
+
+@pytest.mark.parametrize("args", [["bench", "--compare"], ["bench", "--overload"], ["agents", "--compare"]])
+def test_a_comparison_without_sglang_router_says_what_is_missing(args: list[str], tmp_path: Path) -> None:
+    """It used to fail with 'process exited (1) before ... answered', naming nothing."""
+    hide = ("import sys, runpy; sys.modules['sglang_router'] = None; "  # as if it were not installed
+            f"sys.argv = ['loadtest', *{args!r}, '--out', {str(tmp_path / 'x.json')!r}]; "
+            "runpy.run_module('loadtest', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", hide], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "sglang-router is not installed here" in out.stderr and "pip install sglang-router==0.3.2" in out.stderr
+    assert not (tmp_path / "x.json").exists()
