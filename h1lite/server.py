@@ -23,6 +23,7 @@ Routing is a dict of exact paths plus ``/prefix/{id}[/suffix]`` patterns.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import re
@@ -246,6 +247,19 @@ async def pass_turn() -> None:
     await asyncio.sleep(0)
 
 
+def unix_socket_live(path: str) -> bool:
+    """Whether a server accepts on the Unix socket at ``path``."""
+    if not os.path.exists(path):
+        return False
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(path)
+        except OSError:
+            return False
+    return True
+
+
 class Server:
     """Owns the listening socket, the connections and their reaper."""
 
@@ -268,8 +282,11 @@ class Server:
         self.reaper = loop.create_task(self._reap())
 
     async def start_unix(self, path: str, backlog: int = 1024) -> None:
-        """Listen on a Unix socket at ``path`` (a stale socket file there is replaced), readable by its owner only."""
+        """Listen on a Unix socket at ``path``, readable by its owner only. A stale socket file there (nobody
+        accepts on it) is replaced; a live one is another server's: OSError(EADDRINUSE), it is left alone."""
         loop = asyncio.get_running_loop()
+        if unix_socket_live(path):
+            raise OSError(errno.EADDRINUSE, f"another server listens on {path}")
         old = os.umask(0o177)
         try:
             self.server = await loop.create_unix_server(lambda: HttpProtocol(self), path, backlog=backlog)

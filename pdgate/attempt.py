@@ -73,7 +73,8 @@ async def dispatch(ctx: Ctx) -> bytes:
         att = Attempt(n=n, rid=f"{rec.id}.{n}", prefill=pw.id, decode=dw.id, room=random.getrandbits(63))
         rec.attempts.append(att)
         gw.move(rec, Phase.DISPATCHED)
-        bind = Bind(gw, att, gw.otel.attempt(ctx.span, rec, att, now) if ctx.span is not None and gw.otel else None)
+        bind = Bind(gw, att, gw.otel_safely(gw.otel.attempt, ctx.span, rec, att, now)
+                    if ctx.span is not None and gw.otel else None)
         pw.bind(bind, now)
         dw.bind(bind, now)
         view = ctx.view
@@ -100,11 +101,11 @@ async def dispatch(ctx: Ctx) -> bytes:
         finally:
             pw.unbind(bind)
             dw.unbind(bind)
+            gw.gate.free(counted=True, pump=not retrying)  # a retry takes its own slot before the queue does
             gw.prefill_policy.completed(pw.id, view, ok)
             gw.decode_policy.completed(dw.id, view, ok)
             if bind.span is not None and gw.otel is not None:
-                gw.otel.end_attempt(bind.span, rec, att, gw.now())
-            gw.gate.free(counted=True, pump=not retrying)  # a retry takes its own slot before the queue does
+                gw.otel_safely(gw.otel.end_attempt, bind.span, rec, att, gw.now())
     assert last is not None
     raise last
 
@@ -164,7 +165,7 @@ def leg_headers(ctx: Ctx, att: Attempt, bind: Bind) -> bytes:
     out = b"x-request-id: %b\r\n" % att.rid.encode()
     h = ctx.request.headers
     if bind.span is not None and ctx.gw.otel is not None:
-        out += header_lines(ctx.gw.otel.traceparent(bind.span))
+        out += header_lines(ctx.gw.otel_safely(ctx.gw.otel.traceparent, bind.span) or {})
     elif "traceparent" in h:
         out += header_lines({k: h[k] for k in ("traceparent", "tracestate") if k in h})
     return out

@@ -226,10 +226,10 @@ def operator_command(args: argparse.Namespace) -> None:
         q = "&".join(f"{k}={v}" for k, v in (("phase", args.phase), ("worker", args.worker), ("min_age_s", args.min_age))
                      if v is not None)
         data = gw.get("/v1/requests" + (f"?{q}" if q else ""))
-        print(json.dumps(data)) if args.json else console.print(views.ps_table(data, args.wide))
+        print(json.dumps(data)) if args.json else console.print(views.ps_table(data, args.wide, console.width))
     elif args.cmd == "workers":
         data = gw.get("/v1/workers")
-        print(json.dumps(data)) if args.json else console.print(views.workers_table(data, args.wide))
+        print(json.dumps(data)) if args.json else console.print(views.workers_table(data, args.wide, console.width))
     elif args.cmd == "trace":
         data = gw.get(f"/v1/requests/{args.id}")
         print(json.dumps(data)) if args.json else console.print(views.trace_view(data))
@@ -240,8 +240,8 @@ def operator_command(args: argparse.Namespace) -> None:
             raise SystemExit(1)
     elif args.cmd == "top":
         def frame() -> Group:
-            return Group(views.ps_table(gw.get("/v1/requests"), args.wide),
-                         views.workers_table(gw.get("/v1/workers"), args.wide))
+            return Group(views.ps_table(gw.get("/v1/requests"), args.wide, console.width),
+                         views.workers_table(gw.get("/v1/workers"), args.wide, console.width))
 
         n = 0
         if args.json:  # one JSON object per refresh, one per line (for a pipe)

@@ -309,6 +309,9 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
             _positive(f"deadlines.{f.name}", getattr(d, f.name))
     for name in ("total", "ttft", "idle"):
         with errs:
+            pair = (getattr(d, f"{name}_s"), getattr(d, f"max_{name}_s"))
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in pair):
+                continue  # a value that is not a number is named above
             if getattr(d, f"{name}_s") > getattr(d, f"max_{name}_s"):
                 raise ConfigError(f"deadlines.{name}_s", getattr(d, f"{name}_s"), f"exceeds deadlines.max_{name}_s")
     for model, b in cfg.models.items():
@@ -338,8 +341,15 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
         for i, w in enumerate(getattr(cfg, role)):
             with errs:
                 validate_worker(w, f"{role}[{i}]")
+    _validate_access(cfg, errs)
     with errs:
-        _validate_access(cfg)
+        if cfg.instance_id is not None and not (isinstance(cfg.instance_id, str)
+                                                and re.fullmatch(r"[0-9a-f]{1,16}", cfg.instance_id)):
+            raise ConfigError("gateway.instance_id", cfg.instance_id, "must be 1-16 lower-case hex digits (it is in "
+                              "every request id, which reconciliation reads back)")
+    with errs:
+        if not isinstance(cfg.otel.service_name, str) or not cfg.otel.service_name:
+            raise ConfigError("otel.service_name", cfg.otel.service_name, "must be a non-empty string")
     with errs:
         if not isinstance(cfg.otel.enabled, bool):
             raise ConfigError("otel.enabled", cfg.otel.enabled, "must be true or false")
@@ -359,54 +369,68 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _validate_access(cfg: GatewayConfig) -> None:
-    if cfg.admin_socket is None:
-        _positive("gateway.admin_port", cfg.admin_port, integer=True, allow_zero=True)
-        if not 0 <= cfg.admin_port < 65536:
-            raise ConfigError("gateway.admin_port", cfg.admin_port, "must be a TCP port (0: any free one)")
-        if cfg.admin_port == cfg.port and cfg.admin_port != 0:
-            raise ConfigError("gateway.admin_port", cfg.admin_port, "must differ from gateway.port (the admin plane is "
-                              "a listener of its own)")
-        if not cfg.admin_keys and not is_loopback(cfg.admin_host):
-            raise ConfigError("gateway.admin_host", cfg.admin_host, "an admin plane beyond loopback needs an admin key "
-                              "(admin_keys, admin_key_file or keys_file)")
-    _positive("gateway.max_workers", cfg.max_workers, integer=True)
-    if cfg.log_format not in ("text", "json"):
-        raise ConfigError("gateway.log_format", cfg.log_format, "one of text, json")
+def _validate_access(cfg: GatewayConfig, errs: Errors) -> None:
+    with errs:
+        if cfg.admin_socket is None:
+            _positive("gateway.admin_port", cfg.admin_port, integer=True, allow_zero=True)
+            if not 0 <= cfg.admin_port < 65536:
+                raise ConfigError("gateway.admin_port", cfg.admin_port, "must be a TCP port (0: any free one)")
+            if cfg.admin_port == cfg.port and cfg.admin_port != 0:
+                raise ConfigError("gateway.admin_port", cfg.admin_port, "must differ from gateway.port (the admin "
+                                  "plane is a listener of its own)")
+            if not cfg.admin_keys and not is_loopback(cfg.admin_host):
+                raise ConfigError("gateway.admin_host", cfg.admin_host, "an admin plane beyond loopback needs an admin "
+                                  "key (admin_keys, admin_key_file or keys_file)")
+    with errs:
+        _positive("gateway.max_workers", cfg.max_workers, integer=True)
+    with errs:
+        if cfg.log_format not in ("text", "json"):
+            raise ConfigError("gateway.log_format", cfg.log_format, "one of text, json")
     names: set[tuple[str, str]] = set()
     hashes: set[str] = set()
     every: list[tuple[str, int, KeyConfig | AdminKey]] = [("keys", i, k) for i, k in enumerate(cfg.keys)]
     every += [("admin_keys", i, k) for i, k in enumerate(cfg.admin_keys)]
     for section, i, k in every:
-        if not isinstance(k.name, str) or not KEY_NAME.match(k.name):
-            raise ConfigError(f"{section}[{i}].name", k.name, "must be 1-64 of A-Z a-z 0-9 _ . - (it is a metric label)")
-        if k.name in RESERVED_NAMES:
-            raise ConfigError(f"{section}[{i}].name", k.name, f"is reserved ({', '.join(sorted(RESERVED_NAMES))} "
-                              "name requests without a key in logs and metrics)")
-        if not isinstance(k.hash, str) or not KEY_HASH.match(k.hash):
-            raise ConfigError(f"{section}[{i}].hash", "<hidden>", "must be sha256:<64 hex digits> "
-                              "(`pdgate keys new` makes a key and its hash)")
-        if (section, k.name) in names or k.hash in hashes:
-            raise ConfigError(f"{section}[{i}]", k.name, "a key name or hash appears twice (an admin key must not "
-                              "also be a client key)")
-        names.add((section, k.name))
-        hashes.add(k.hash)
+        with errs:
+            _check_key(section, i, k, names, hashes)
     for i, k in enumerate(cfg.keys):
-        if k.priority not in PRIORITIES:
-            raise ConfigError(f"keys[{i}].priority", k.priority, f"one of {', '.join(PRIORITIES)}")
-        if not isinstance(k.models, tuple) or not all(isinstance(m, str) for m in k.models):
-            raise ConfigError(f"keys[{i}].models", k.models, "must be a list of model names")
-        for f in ("max_concurrent", "requests_per_min", "tokens_per_min"):
-            if getattr(k, f) is not None:
-                _positive(f"keys[{i}].{f}", getattr(k, f), integer=True)
-        for f in ("max_total_s", "max_ttft_s", "max_idle_s"):
-            if getattr(k, f) is not None:
-                _positive(f"keys[{i}].{f}", getattr(k, f))
-        if isinstance(k, KeyConfig):
-            _positive(f"keys[{i}].weight", k.weight)
+        with errs:
+            _check_limits(i, k)
     for entry in cfg.allowed_worker_hosts or ():
-        if not isinstance(entry, str) or not entry or (entry != "*" and "/" in entry and _network(entry) is None):
-            raise ConfigError("gateway.allowed_worker_hosts", entry, "a host name, an IP, a CIDR (10.0.0.0/8) or *")
+        with errs:
+            if not isinstance(entry, str) or not entry or (entry != "*" and "/" in entry and _network(entry) is None):
+                raise ConfigError("gateway.allowed_worker_hosts", entry, "a host name, an IP, a CIDR (10.0.0.0/8) or *")
+
+
+def _check_key(section: str, i: int, k: KeyConfig | AdminKey, names: set[tuple[str, str]], hashes: set[str]) -> None:
+    if not isinstance(k.name, str) or not KEY_NAME.match(k.name):
+        raise ConfigError(f"{section}[{i}].name", k.name, "must be 1-64 of A-Z a-z 0-9 _ . - (it is a metric label)")
+    if k.name in RESERVED_NAMES:
+        raise ConfigError(f"{section}[{i}].name", k.name, f"is reserved ({', '.join(sorted(RESERVED_NAMES))} "
+                          "name requests without a key in logs and metrics)")
+    if not isinstance(k.hash, str) or not KEY_HASH.match(k.hash):
+        raise ConfigError(f"{section}[{i}].hash", "<hidden>", "must be sha256:<64 hex digits> "
+                          "(`pdgate keys new` makes a key and its hash)")
+    if (section, k.name) in names or k.hash in hashes:
+        raise ConfigError(f"{section}[{i}]", k.name, "a key name or hash appears twice (an admin key must not "
+                          "also be a client key)")
+    names.add((section, k.name))
+    hashes.add(k.hash)
+
+
+def _check_limits(i: int, k: KeyConfig) -> None:
+    if k.priority not in PRIORITIES:
+        raise ConfigError(f"keys[{i}].priority", k.priority, f"one of {', '.join(PRIORITIES)}")
+    if not isinstance(k.models, tuple) or not all(isinstance(m, str) for m in k.models):
+        raise ConfigError(f"keys[{i}].models", k.models, "must be a list of model names")
+    for f in ("max_concurrent", "requests_per_min", "tokens_per_min"):
+        if getattr(k, f) is not None:
+            _positive(f"keys[{i}].{f}", getattr(k, f), integer=True)
+    for f in ("max_total_s", "max_ttft_s", "max_idle_s"):
+        if getattr(k, f) is not None:
+            _positive(f"keys[{i}].{f}", getattr(k, f))
+    if isinstance(k, KeyConfig):
+        _positive(f"keys[{i}].weight", k.weight)
 
 
 def _network(entry: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
@@ -486,7 +510,9 @@ def _build(cls: Any, data: Any, prefix: str, errs: Errors | None = None) -> Any:
     missing = [f.name for f in fields if f.name not in data and f.default is dataclasses.MISSING
                and f.default_factory is dataclasses.MISSING]
     if missing:
-        raise ConfigError(prefix.rstrip("."), "...", f"missing {', '.join(missing)}")
+        with errs:
+            raise ConfigError(prefix.rstrip("."), "...", f"missing {', '.join(missing)}")
+        errs.raise_any()  # nothing to build from: every error found so far, the nearest key names included
     if local:
         errs.raise_any()
     return cls(**{k: v for k, v in data.items() if k in names})
@@ -499,12 +525,16 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
     top: dict[str, Any] = {}
     with errs:
         top = dict(_table(data.pop("gateway", {}), "gateway"))
+    for key in [k for k in top if k in SECTIONS]:  # `otel = ...` under [gateway] is not the [otel] section
+        with errs:
+            raise ConfigError(f"gateway.{key}", top.pop(key), f"belongs in its own section [{key}], not in [gateway]")
     sections: dict[str, Any] = {}
     for name, cls in (("deadlines", DeadlineConfig), ("health", HealthConfig), ("breaker", BreakerConfig),
                       ("reconcile", ReconcileConfig), ("admission", AdmissionConfig), ("routing", RoutingConfig),
                       ("otel", OtelConfig)):
         raw = data.pop(name, {})
-        with errs:  # a section with errors counts as absent: the others are still checked
+        sections[name] = cls()  # a section with errors is checked no further (its defaults stand in for it)
+        with errs:
             sections[name] = _build(cls, raw, f"{name}.")
     models: dict[str, Budgets] = {}
     with errs:
@@ -515,12 +545,15 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
     for role in ("prefill", "decode"):
         items = data.pop(role, [])
         workers = []
-        for i, w in enumerate(items if isinstance(items, list) else [items]):
+        if not isinstance(items, list):
+            with errs:
+                raise ConfigError(role, "...", f"must be [[{role}]] entries (a list of tables), not one [{role}] table")
+            items = []
+        for i, w in enumerate(items):
             with errs:
                 workers.append(_build(WorkerSpec, {**_table(w, f"{role}[{i}]"), "role": role}, f"{role}[{i}]."))
         sections[role] = tuple(workers)
-    with errs:
-        sections.update(_key_sections(data, ""))
+    sections.update(_key_sections(data, "", errs))
     for key in list(data):
         with errs:
             raise ConfigError(key, "...", f"unknown section; {did_you_mean(key, SECTIONS)}")
@@ -548,16 +581,41 @@ def _table(v: Any, key: str) -> dict[str, Any]:
     return v
 
 
-def _key_sections(data: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """``[[keys]]`` and ``[[admin_keys]]`` tables (popped from ``data``)."""
+def _key_sections(data: dict[str, Any], prefix: str, into: Errors | None = None) -> dict[str, Any]:
+    """``[[keys]]`` and ``[[admin_keys]]`` tables (popped from ``data``), every error at once (``into``: recorded
+    there, and the entries without errors returned, so the rest of the config is still checked with them)."""
+    errs = into or Errors()
+    tables: dict[str, list[dict[str, Any]]] = {}
+    for name in ("keys", "admin_keys"):
+        raw = data.pop(name, [])
+        tables[name] = []
+        if not isinstance(raw, list):
+            with errs:
+                raise ConfigError(f"{prefix}{name}", "<hidden>", f"must be a list of tables ([[{name}]] entries)")
+            continue
+        for i, k in enumerate(raw):
+            if isinstance(k, dict):
+                tables[name].append(dict(k))
+            else:  # never printed back: it may be a key written where a table belongs
+                with errs:
+                    raise ConfigError(f"{prefix}{name}[{i}]", "<hidden>", "must be a table (name, hash, ...)")
     keys = []
-    for i, k in enumerate(data.pop("keys", [])):
-        k = dict(k)
+    for i, k in enumerate(tables["keys"]):
         if isinstance(k.get("models"), list):
             k["models"] = tuple(k["models"])
-        keys.append(_build(KeyConfig, k, f"{prefix}keys[{i}]."))
-    admins = tuple(_build(AdminKey, dict(k), f"{prefix}admin_keys[{i}].") for i, k in enumerate(data.pop("admin_keys", [])))
-    return {"keys": tuple(keys), "admin_keys": admins}
+        with errs:
+            keys.append(_build(KeyConfig, k, f"{prefix}keys[{i}]."))
+    admins = []
+    for i, k in enumerate(tables["admin_keys"]):
+        with errs:
+            admins.append(_build(AdminKey, k, f"{prefix}admin_keys[{i}]."))
+    if into is None:
+        errs.raise_any()
+    if len(keys) < len(tables["keys"]):  # one failed: the rest are not checked further (their indices would lie)
+        keys = []
+    if len(admins) < len(tables["admin_keys"]):
+        admins = []
+    return {"keys": tuple(keys), "admin_keys": tuple(admins)}
 
 
 def with_key_files(cfg: GatewayConfig, base: Path = Path(".")) -> GatewayConfig:
@@ -608,9 +666,12 @@ def load(path: str | Path | None) -> GatewayConfig:
         cfg = from_mapping(data)
     except ConfigErrors as exc:  # every error, each line naming the file
         raise ConfigErrors(exc.errors, str(path)) from None
-    except TypeError as exc:  # a shape no check foresaw
+    except (TypeError, AttributeError) as exc:  # a shape no check foresaw
         raise ConfigError(str(path), "...", f"a section has the wrong shape: {exc}") from None
-    return with_key_files(cfg, Path(path).parent)
+    try:
+        return with_key_files(cfg, Path(path).parent)
+    except ConfigErrors as exc:
+        raise ConfigErrors(exc.errors, f"{path} (keys_file {cfg.keys_file})") from None
 
 
 def parse_prefill_flag(url: str, port: str | None) -> WorkerSpec:

@@ -3,8 +3,8 @@ snapshot it polls, ``GET /v1/dashboard``: workers and their state, live requests
 deadlines left, the oldest live request, recent failures and deadline expiries. A request's waterfall (phases,
 attempts, legs, events, the engines' queue) is drawn from ``GET /v1/requests/{id}``.
 
-The page holds no data and is served without a key; its calls carry the admin key the operator gives it (the
-URL's ``#key=...`` or the box on the page, kept in the tab's sessionStorage only).
+The page holds no data and is served without a key; its calls carry the admin key the operator types into its
+box (kept in the tab's sessionStorage only; never in a URL, which a browser's history would keep).
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ def page() -> bytes:
 async def dashboard_page(app: App, request: Request) -> Response:
     return Response(page(), content_type="text/html; charset=utf-8",
                     headers={"Cache-Control": "no-store", "Content-Security-Policy":
-                             "default-src 'self'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
-                             "connect-src 'self'; frame-ancestors 'none'", "X-Frame-Options": "DENY"})
+                             "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                             "connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'none'; "
+                             "frame-ancestors 'none'", "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer",
+                             "X-Content-Type-Options": "nosniff"})
 
 
 async def snapshot(app: App, request: Request) -> Response:

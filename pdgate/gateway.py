@@ -8,8 +8,8 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pdgate import auth, otel, policies
 from pdgate.admission import Gate
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from pdgate.proxy import Ctx
 
 log = logging.getLogger("pdgate")
+T = TypeVar("T")
 
 
 class Gateway:
@@ -86,6 +87,14 @@ class Gateway:
 
     def now(self) -> float:
         return self.clock()
+
+    def otel_safely(self, fn: Callable[..., T], *args: Any) -> T | None:
+        """An OpenTelemetry call on the request path: whatever the SDK raises is logged, never the request's end."""
+        try:
+            return fn(*args)
+        except Exception:
+            log.exception("OpenTelemetry failed (the request goes on without its span)")
+            return None
 
     def new_id(self) -> str:
         # fixed width (no id is a prefix of another: engines abort by rid prefix), in order, and unguessable:
@@ -164,7 +173,10 @@ class Gateway:
         self.drain()
         if self.background:
             await asyncio.wait(list(self.background), timeout=self.cfg.abort_timeout_s + 1)
-        if self.otel is not None:  # the spans still batched go out now
-            await asyncio.to_thread(self.otel.shutdown)
+        if self.otel is not None:  # the spans still batched go out now (bounded: pdgate.otel.SHUTDOWN_S)
+            try:
+                await self.otel.shutdown()
+            except Exception:
+                log.exception("OpenTelemetry shutdown failed")
         if self.upstream is not None:
             await self.upstream.close()

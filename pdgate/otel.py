@@ -10,6 +10,8 @@ one ``is None``.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 from pdgate.config import ConfigError, OtelConfig
@@ -20,12 +22,16 @@ if TYPE_CHECKING:
 
     from pdgate.record import Attempt, Record
 
+log = logging.getLogger("pdgate.otel")
 LEG_END = {"prefill": ("prefill_done",), "decode": ("decode_done",)}
+EXPORT_TIMEOUT_S = 2.0  # one export to the collector
+SHUTDOWN_S = 3.0  # at stop: what is batched goes out within this, or is dropped
 
 
 class Otel:
     def __init__(self, cfg: OtelConfig, exporter: SpanExporter | None = None) -> None:
         try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             from opentelemetry.propagators.textmap import DefaultGetter
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
@@ -35,10 +41,10 @@ class Otel:
         except ImportError:
             raise ConfigError("otel.enabled", True, "needs the otel extra: pip install -e '.[otel]'") from None
         self.provider = TracerProvider(resource=Resource.create({"service.name": cfg.service_name}))
-        if exporter is None:
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-            self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=cfg.endpoint)))
+        if exporter is None:  # a collector that is down costs a stop at most SHUTDOWN_S, never the request path
+            self.provider.add_span_processor(BatchSpanProcessor(
+                OTLPSpanExporter(endpoint=cfg.endpoint, timeout=EXPORT_TIMEOUT_S),
+                export_timeout_millis=int(EXPORT_TIMEOUT_S * 1000), max_queue_size=8192))
         else:  # tests: spans reach the exporter when they end
             self.provider.add_span_processor(SimpleSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("pdgate")
@@ -107,8 +113,35 @@ class Otel:
             span.set_status(Status(StatusCode.ERROR, rec.reason or rec.phase.value))
         span.end(end_time=self._ns(rec, rec.finished_at or rec.created))
 
-    def shutdown(self) -> None:
-        self.provider.shutdown()
+    async def shutdown(self) -> None:
+        """Flush and stop, waiting at most ``SHUTDOWN_S`` (in a daemon thread: a collector that is down never holds
+        the process after that)."""
+        import asyncio
+        import threading
+
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def run() -> None:
+            try:
+                self.provider.force_flush(timeout_millis=int(SHUTDOWN_S * 1000))
+                self.provider.shutdown()
+            except Exception:  # the SDK's own failure at exit: nothing to keep
+                log.exception("OpenTelemetry shutdown failed")
+            finally:
+                with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits any more
+                    loop.call_soon_threadsafe(settle)
+
+        def settle() -> None:
+            if not done.done():
+                done.set_result(None)
+
+        threading.Thread(target=run, name="otel-shutdown", daemon=True).start()
+        try:
+            await asyncio.wait_for(done, SHUTDOWN_S + 0.5)
+        except TimeoutError:
+            log.warning("OpenTelemetry: spans still batched after %.1fs were dropped (the collector did not take them)",
+                        SHUTDOWN_S)
 
 
 def make(cfg: OtelConfig) -> Otel | None:

@@ -81,7 +81,7 @@ def finalize(ctx: Ctx, outcome: Phase, reason: str | None, status: int) -> None:
     gw.move(rec, outcome, reason)
     gw.traces.finish(rec)
     if ctx.span is not None and gw.otel is not None:
-        gw.otel.finish(ctx.span, rec)
+        gw.otel_safely(gw.otel.finish, ctx.span, rec)
     now = gw.now()
     if gw.cfg.access_log and access_log.enabled():
         access_log.emit(access_log.record_fields(rec), gw.cfg.log_format)

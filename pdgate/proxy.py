@@ -36,7 +36,7 @@ class Ctx:
         self.body = body
         session = policies.session_key(rec.tenant, request.headers.get(gw.session_header), body)
         self.view = policies.RequestView(route, rec.model, body, session)  # what the policies see of it
-        self.span = gw.otel.request(rec, request.headers) if gw.otel is not None else None  # OpenTelemetry
+        self.span = gw.otel_safely(gw.otel.request, rec, request.headers) if gw.otel is not None else None
         self.resp: Stream | None = None
         self.stream_error: str | None = None
         self.merge_logprobs = attempt.wants_logprobs(route, body)

@@ -326,8 +326,9 @@ class App:
         live its terminal answer (and abort its legs) before the connections close."""
         drain_s = self.cfg.drain_s
         await self.server.close(drain_s, lambda: self.gw.drain(f"still live after drain_s={drain_s:g}s"))
+        ours = self.admin.server is not None  # the socket file is ours to remove only if we listened on it
         await self.admin.close()
-        if self.cfg.admin_socket:
+        if self.cfg.admin_socket and ours:
             with contextlib.suppress(OSError):
                 os.unlink(self.cfg.admin_socket)
         if self.rec_task is not None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.supervisor import Cluster, Supervisor, load_cluster
+from h1lite.server import unix_socket_live
 from pdgate import auth, config
 from pdgate.server import build_app, serve
 
@@ -57,6 +58,9 @@ def check_ports(cfg: config.GatewayConfig, cluster: Cluster) -> None:
                                  "give another cluster file whose ports are free")
     if not port_free(cfg.host, cfg.port):
         raise config.ConfigError("--port", cfg.port, "cannot listen there: in use (choose another with --port)")
+    if cfg.admin_socket is not None and unix_socket_live(cfg.admin_socket):
+        raise config.ConfigError("--admin-socket", cfg.admin_socket, "another server listens there (choose another "
+                                 "with --admin-socket)")
     if cfg.admin_socket is None and cfg.admin_port and not port_free(cfg.admin_host, cfg.admin_port):
         raise config.ConfigError("--admin-port", cfg.admin_port, "cannot listen there: in use (choose another with "
                                  "--admin-port)")

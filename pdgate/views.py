@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
 from typing import Any
 
 from rich import box
@@ -13,51 +13,83 @@ from rich.text import Text
 BAR = 30
 
 
-def _s(v: Any) -> str:
-    return "-" if v is None else str(v)
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def _s(v: Any) -> Text:
+    """A value as plain text: never read as rich markup (a model named "[/x]" or an IPv6 URL), control characters
+    (a terminal's escape sequences) shown as "?"."""
+    return Text(CONTROL.sub("?", "-" if v is None else str(v)))
 
 
 NUMERIC = frozenset({"age s", "left s", "attempt", "chunks", "load", "restarts", "orphans", "drift"})
 HEADERS = {"prefill": "pre", "decode": "dec", "deadline": "next", "age s": "age", "left s": "left"}
-WHOLE = frozenset({"id", "url"})  # never wrapped: what `trace`, `abort` and curl take
+WHOLE = frozenset({"id"})  # never wrapped: what `trace` and `abort` take
 
 
-def _table(title: str, cols: list[str], rows: Sequence[dict[str, Any]] = ()) -> Table:
-    """A table that never cuts a value: the id and url columns keep their width, the others wrap (``fold``) when
-    the terminal or pipe is narrow; none ends in an ellipsis. No vertical rules (80 columns hold a 37-character id
-    and the rest). Compact by default: ``--wide`` adds the columns an operator needs less often."""
-    t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
-    for col in cols:
-        if col in WHOLE:
-            t.add_column(col, no_wrap=True, min_width=max((len(str(r.get(col, ""))) for r in rows), default=2))
-        else:
-            t.add_column(HEADERS.get(col, col), overflow="fold", justify="right" if col in NUMERIC else "left")
-    return t
+MIN_FOLD = 10  # a wrapping column narrower than this is hard to read: lay the rows out as records instead
 
 
-def ps_table(data: dict[str, Any], wide: bool = False) -> Table:
+def layout(title: str, cols: list[str], rows: list[list[Any]], width: int | None) -> Table | Group:
+    """Rows that never lose a value. As a table when it fits ``width``: the id column keeps its width, numbers are
+    never split, the others wrap (``fold``); none ends in an ellipsis; no vertical rules (80 columns hold a
+    37-character id and the rest). Where even that does not fit (a long id or URL, --wide at 80 columns), one
+    record per row: the id on its line, then every column as "name value", wrapped between values."""
+    cells = [[c if isinstance(c, Text) else Text(str(c)) for c in row] for row in rows]
+    heads = [HEADERS.get(c, c) for c in cols]
+
+    def need(i: int) -> int:
+        longest = max((len(r[i].plain) for r in cells), default=0)
+        if cols[i] in WHOLE or cols[i] in NUMERIC:
+            return max(longest, len(heads[i]) if cols[i] in NUMERIC else 2)
+        return min(max(longest, len(heads[i])), MIN_FOLD)
+
+    if width is None or sum(need(i) + 2 for i in range(len(cols))) <= width:  # 2: the rule and padding
+        t = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False, padding=(0, 1, 0, 0))
+        for i, col in enumerate(cols):
+            if col in WHOLE or col in NUMERIC:
+                t.add_column(heads[i], no_wrap=True, min_width=need(i), justify="right" if col in NUMERIC else "left")
+            else:
+                t.add_column(heads[i], overflow="fold")
+        for row in cells:
+            t.add_row(*row)
+        return t
+    parts: list[Any] = [Text(title, style="bold")]
+    for row in cells:
+        parts.append(row[0])
+        rest = Text("  ")
+        for head, cell in zip(heads[1:], row[1:], strict=True):
+            rest.append(f"{head.replace(' ', '_')} ", style="dim")
+            rest.append_text(cell)
+            rest.append("  ")
+        parts.append(rest)
+    return Group(*parts)
+
+
+def ps_table(data: dict[str, Any], wide: bool = False, width: int | None = None) -> Table | Group:
     reqs = data.get("requests", [])
     cols = ["id", "phase", "age s", "prefill", "decode", "deadline", "left s"]
     if wide:
         cols += ["attempt", "chunks", "model", "tenant"]
-    t = _table(f"live requests: {data.get('count', 0)} (age, left: seconds)", cols, reqs)
+    rows = []
     for r in reqs:
         d = r.get("deadline") or {}
         left = d.get("left_s")
-        row: list[Any] = [r["id"], r["phase"], f"{r['age_s']:.2f}", _s(r["prefill"]), _s(r["decode"]), _s(d.get("next")),
+        row: list[Any] = [_s(r["id"]), _s(r["phase"]), f"{r['age_s']:.2f}", _s(r["prefill"]), _s(r["decode"]),
+                          _s(d.get("next")),
                           Text(f"{left:.2f}", style="red" if left < 1 else "") if left is not None else Text("-")]
         if wide:
             row += [str(r["attempt"]), str(r.get("chunks", 0)), _s(r.get("model")), _s(r.get("tenant"))]
-        t.add_row(*row)
-    return t
+        rows.append(row)
+    return layout(f"live requests: {data.get('count', 0)} (age, left: seconds)", cols, rows, width)
 
 
-def workers_table(data: dict[str, Any], wide: bool = False) -> Table:
+def workers_table(data: dict[str, Any], wide: bool = False, width: int | None = None) -> Table | Group:
     ws = data.get("workers", [])
     cols = ["id", "role", "url", "state", "load", "restarts", "engine queues"]
     if wide:
         cols += ["identity", "fixes", "orphans", "drift", "last error"]
-    t = _table("workers", cols, ws)
+    rows = []
     for w in ws:
         state = "degraded" if w["degraded"] else ("up" if w["healthy"] else "down")
         style = {"up": "green", "down": "red", "degraded": "yellow"}[state]
@@ -66,13 +98,13 @@ def workers_table(data: dict[str, Any], wide: bool = False) -> Table:
         eng = w.get("engine") or {}
         queues = " ".join(f"{k.replace('_queue_reqs', '').replace('num_', '').replace('_reqs', '')}={v}"
                           for k, v in eng.items() if v)
-        row: list[Any] = [w["id"], w["role"], w["url"], Text(state, style=style), str(w["load"]), str(w["restarts"]),
-                          queues or "idle"]
+        row: list[Any] = [_s(w["id"]), _s(w["role"]), _s(w["url"]), Text(state, style=style), str(w["load"]),
+                          str(w["restarts"]), _s(queues or "idle")]
         if wide:
-            row += [w.get("identity") or "-", ",".join(w.get("fixes") or []) or "-", str(w.get("orphans", 0)),
-                    str(w.get("drift", 0)), _s(w.get("last_error"))]
-        t.add_row(*row)
-    return t
+            row += [_s(w.get("identity") or "-"), _s(",".join(str(f) for f in w.get("fixes") or []) or "-"),
+                    str(w.get("orphans", 0)), str(w.get("drift", 0)), _s(w.get("last_error"))]
+        rows.append(row)
+    return layout("workers", cols, rows, width)
 
 
 def trace_view(t: dict[str, Any]) -> Group:
@@ -82,12 +114,12 @@ def trace_view(t: dict[str, Any]) -> Group:
             head.add_column(no_wrap=True, min_width=len(t["id"]))
         else:
             head.add_column(overflow="fold")
-    head.add_row("request", t["id"], "route", t["route"], "model", _s(t.get("model")))
-    head.add_row("outcome", Text(_s(t.get("outcome") or t["phase"]),
+    head.add_row("request", _s(t["id"]), "route", _s(t["route"]), "model", _s(t.get("model")))
+    head.add_row("outcome", Text(_s(t.get("outcome") or t["phase"]).plain,
                                  style="green" if t.get("outcome") == "completed" else "red" if t.get("outcome") else "yellow"),
                  "status", _s(t.get("status")), "stream", str(t["stream"]))
     if t.get("reason"):
-        head.add_row("reason", t["reason"])
+        head.add_row("reason", _s(t["reason"]))
     b = t["budgets_s"]
     tm = t["timings_s"]
     head.add_row("budgets", f"total {b['total']}s  ttft {b['ttft']}s  idle {b['idle']}s", "ttft", _s(tm.get("ttft")),
@@ -101,26 +133,26 @@ def trace_view(t: dict[str, Any]) -> Group:
         start = p["t"]
         stop = ph[i + 1]["t"] if i + 1 < len(ph) else None
         if stop is None:
-            phases.add_row(p["phase"], f"{start:.4f}", "", "")
+            phases.add_row(_s(p["phase"]), f"{start:.4f}", "", "")
             continue
         a = int(start / end * BAR) if end else 0
         w = max(1, int((stop - start) / end * BAR)) if end else 1
-        phases.add_row(p["phase"], f"{start:.4f}", f"{stop - start:.4f}", " " * a + "█" * w)
+        phases.add_row(_s(p["phase"]), f"{start:.4f}", f"{stop - start:.4f}", " " * a + "█" * w)
     parts: list[Any] = [head, phases]
     for att in t["attempts"]:
-        at = Table(title=f"attempt {att['n']}: prefill {att['prefill']}, decode {att['decode']}, rid {att['rid']}, "
-                         f"room {att['bootstrap_room']}" + (f"  error: {att['error']}" if att.get("error") else ""))
+        at = Table(title=_s(f"attempt {att['n']}: prefill {att['prefill']}, decode {att['decode']}, rid {att['rid']}, "
+                            f"room {att['bootstrap_room']}" + (f"  error: {att['error']}" if att.get("error") else "")))
         at.add_column("t s", justify="right")
         at.add_column("event", overflow="fold")
         at.add_column("info", overflow="fold")
         for e in att["events"]:
-            at.add_row(f"{e['t']:.4f}", e["event"], _s(e.get("info")) if "info" in e else "")
+            at.add_row(f"{e['t']:.4f}", _s(e["event"]), _s(e.get("info")) if "info" in e else "")
         parts.append(at)
     if t.get("engine"):
         eng = Table(title="engine view (pdgate extension)")
         for col in ("worker", "queue", "since s"):
             eng.add_column(col, overflow="fold")
         for wid, e in t["engine"].items():
-            eng.add_row(wid, _s(e.get("queue")), _s(e.get("since_s")))
+            eng.add_row(_s(wid), _s(e.get("queue")), _s(e.get("since_s")))
         parts.append(eng)
     return Group(*parts)

@@ -68,3 +68,33 @@ def test_every_error_at_once_with_the_file_and_the_nearest_key(tmp_path: Path) -
                   "prefill[0].url = 'abc': must start with http://",
                   "decode[0] = '...': missing url"):
         assert any(words in ln for ln in lines), (words, out.stderr)
+
+
+@pytest.mark.parametrize(("data", "words"), [
+    ({"deadlines": {"total_s": "30"}}, ["deadlines.total_s = '30': must be a number"]),
+    ({"gateway": {"otel": 1}, "otel": {"enabeld": True}},
+     ["gateway.otel = 1: belongs in its own section [otel]", "otel.enabeld = True: unknown key; did you mean 'enabled'?"]),
+    ({"gateway": {"keys": "x"}, "keys": [{"nme": "a"}]},
+     ["gateway.keys = 'x': belongs in its own section [keys]", "keys[0].nme = '<hidden>': unknown key; did you mean"]),
+    ({"prefill": [{"ulr": "http://127.0.0.1:30000"}]}, ["prefill[0].ulr", "did you mean 'url'?", "missing url"]),
+    ({"keys": 5}, ["keys = '<hidden>': must be a list of tables"]),
+    ({"keys": ["a-secret"]}, ["keys[0] = '<hidden>': must be a table"]),
+    ({"keys": [{"name": "a", "hsah": "x"}, {"name": "b", "hash": "y"}]},
+     ["keys[0].hsah", "did you mean 'hash'?", "keys[0] = '...': missing hash"]),
+    ({"keys": [{"name": "a", "hash": "x"}, {"name": "b", "hash": "y"}]},
+     ["keys[0].hash = '<hidden>': must be sha256:", "keys[1].hash = '<hidden>': must be sha256:"]),
+    ({"gateway": {"instance_id": "pod-7"}}, ["gateway.instance_id = 'pod-7': must be 1-16 lower-case hex digits"]),
+    ({"prefill": {"url": "http://127.0.0.1:1"}}, ["prefill = '...': must be [[prefill]] entries"]),
+])
+def test_shapes_that_used_to_crash_or_hide_errors(data: dict[str, object], words: list[str]) -> None:
+    """Found by a hostile review: a wrong type stopped the collection with a TypeError, a section name under
+    [gateway] crashed validation, a missing key hid the "did you mean" of its typo, a keys list of the wrong
+    shape was a traceback (and could print a key)."""
+    from pdgate import config
+
+    with pytest.raises(config.ConfigError) as err:
+        config.from_mapping(data)
+    text = str(err.value)
+    assert "a-secret" not in text
+    for w in words:
+        assert w in text, (w, text)

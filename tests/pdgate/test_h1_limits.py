@@ -95,7 +95,7 @@ async def health_ms(port: int) -> float:
 @pytest.mark.parametrize("bounded", [True, False])
 async def test_a_header_value_that_never_ends(app: App, monkeypatch: pytest.MonkeyPatch, bounded: bool) -> None:
     """128 MB of one header value: 431 after ~64 KiB, RSS + < 10 MB, and another connection's /health answered
-    within 100 ms meanwhile. Off (no bound while it arrives): no answer after 16 MB, and the gateway holds it."""
+    within 100 ms meanwhile. Off (no bound while it arrives): no answer after 48 MB, and the gateway holds it."""
     if not bounded:
         monkeypatch.setattr(h1lite.server, "MAX_HEADER_BYTES", 1 << 40)
     before = rss_mb()
@@ -105,7 +105,8 @@ async def test_a_header_value_that_never_ends(app: App, monkeypatch: pytest.Monk
     piece = b"v" * (64 << 10)
     sent, worst = 0, 0.0
     try:
-        while sent < (128 << 20 if bounded else 16 << 20) and not reader.done() and not r.at_eof():
+        # off: 48 MB, so RSS shows the held value even where earlier tests left freed memory to reuse
+        while sent < (128 << 20 if bounded else 48 << 20) and not reader.done() and not r.at_eof():
             w.write(piece)
             await w.drain()
             sent += len(piece)

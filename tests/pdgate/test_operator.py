@@ -105,3 +105,46 @@ async def test_a_worker_that_never_answers_is_down_with_a_reason(gateways: list[
         assert w.state.value == "down"
     finally:
         silent.close()
+
+
+async def test_a_second_gateway_cannot_take_a_live_admin_socket(procs: Procs, gateways: list[Any], tmp_path: Any) -> None:
+    """create_unix_server replaces whatever file is at the path: a second gateway took over the first one's admin
+    plane, and unlinked it when it stopped. A live socket is now refused; a stale one is still replaced."""
+    import pytest
+
+    from pdgate.config import ConfigError
+
+    p, d = procs.pair()
+    path = str(tmp_path / "admin.sock")
+    g = await start_gateway(make_config([p], [d], admin_socket=path))
+    gateways.append(g)
+    with pytest.raises(ConfigError, match="--admin-socket"):
+        await start_gateway(make_config([p], [d], admin_socket=path))
+    conn = aiohttp.UnixConnector(path=path)
+    async with aiohttp.ClientSession(connector=conn) as http:
+        async with http.get("http://localhost/v1/workers") as r:
+            assert r.status == 200, "the first gateway's admin plane is still its own"
+
+
+def test_views_print_values_as_they_are_and_never_cut_one() -> None:
+    from rich.console import Console
+
+    from pdgate import views
+
+    long_id = "pdg-0123456789abcdef-00000001940ca33b156d1f04"
+    req = {"id": long_id, "phase": "prefill+transfer", "age_s": 3.21, "prefill": "p0", "decode": "d0",
+           "deadline": {"next": "idle", "left_s": 0.5}, "attempt": 1, "chunks": 3, "model": "m[/x]", "tenant": "t"}
+    ws = [{"id": "p0", "role": "prefill", "url": "http://[fd00:1234:5678::17]:30011", "degraded": False,
+           "healthy": True, "breaker": "closed", "load": 0, "restarts": 0, "engine": {},
+           "last_error": "HTTP 500: [/oops] \x1b]0;title\x07"}]
+    for wide in (False, True):
+        console = Console(width=80, record=True, color_system=None)
+        console.print(views.ps_table({"count": 1, "requests": [req]}, wide, 80))
+        console.print(views.workers_table({"workers": ws}, wide, 80))
+        text = console.export_text()
+        assert all(len(line) <= 80 for line in text.splitlines()), text
+        assert long_id in text and "…" not in text and "3.21" in text and "0.50" in text, text
+        assert "fd00:1234:5678::17" in text.replace("\n", "").replace(" ", ""), "an IPv6 URL is not markup"
+        assert "\x1b" not in text and "\x07" not in text, "no escape sequence reaches the terminal"
+        if wide:
+            assert "m[/x]" in text and "[/oops]" in text, text

@@ -136,3 +136,45 @@ def test_otel_without_the_extra_is_a_named_config_error(monkeypatch: pytest.Monk
     monkeypatch.setattr(builtins, "__import__", no_sdk)
     with pytest.raises(ConfigError, match=r"otel.enabled = True: needs the otel extra"):
         Otel(OtelConfig(enabled=True))
+
+
+async def test_stopping_with_the_collector_down_is_bounded() -> None:
+    """A collector that is down used to hold the gateway's stop for 7-30 s (the exporter's retries)."""
+    import socket
+    import time
+
+    from pdgate import otel
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]  # closed when the block ends: nothing listens there
+    o = Otel(OtelConfig(enabled=True, endpoint=f"http://127.0.0.1:{dead}/v1/traces"))
+    for i in range(3000):
+        o.tracer.start_span(f"s{i}").end()
+    t0 = time.monotonic()
+    await o.shutdown()
+    assert time.monotonic() - t0 < otel.SHUTDOWN_S + 1.0
+
+
+class Broken:
+    """An OpenTelemetry whose every call raises (an SDK bug, a full queue that throws)."""
+
+    def __getattr__(self, name: str) -> Any:
+        def fail(*_: Any) -> Any:
+            raise RuntimeError(f"otel {name} broke")
+
+        return fail
+
+
+async def test_an_sdk_that_raises_never_ends_a_request(procs: Procs, gateways: list[Any]) -> None:
+    p, d = procs.pair()
+    g = await start_gateway(make_config([p], [d]))
+    gateways.append(g)
+    g.gw.otel = Broken()  # type: ignore[assignment]
+    async with aiohttp.ClientSession() as http:
+        for body in (CHAT, {**CHAT, "stream": False}):
+            async with http.post(g.url + "/v1/chat/completions", json=body, headers={"traceparent": TRACEPARENT}) as r:
+                assert r.status == 200
+                await r.read()
+    assert not g.gw.live and not g.gw.traces.live
+    assert all(w.load == 0 for w in g.gw.pool.by_id.values()) and g.gw.gate.queue.n == 0
