@@ -83,9 +83,10 @@ async def dispatch(ctx: Ctx) -> bytes:
         try:
             gw.prefill_policy.dispatched(pw.id, view)
             gw.decode_policy.dispatched(dw.id, view)
-            for note in view.notes:  # why the policy chose as it did (a session that moved, loads out of balance)
-                att.event(now, "routing", note)
-            view.notes.clear()
+            if view.notes:  # why the policy chose as it did (a session that moved, loads out of balance)
+                for note in view.notes:
+                    att.event(now, "routing", note)
+                view.notes = None
             body = await run_attempt(ctx, att, bind, pw, dw)
             ok = True
             return body

@@ -25,7 +25,7 @@ import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from pdgate.config import RoutingConfig
@@ -122,10 +122,10 @@ class RequestView:
     model: str | None
     body: dict[str, Any]
     session: str | None = None
-    notes: list[str] = field(default_factory=list)  # why the policy chose as it did, when that is news (traces)
+    notes: list[str] | None = None  # why the policy chose as it did, when that is news (traces); made when needed
     # policy name -> (decision, note or None) of its last pick: counted and noted when the attempt is sent (a
     # queued request is picked for again and again; only the pick that was used counts)
-    pending: dict[str, tuple[str, str | None]] = field(default_factory=dict)
+    pending: dict[str, tuple[str, str | None]] | None = None
     prefix: list[int] | None = None  # the text's block hashes (PrefixIndex), made once (the text is not kept)
 
 
@@ -138,13 +138,17 @@ class Policy(abc.ABC):
 
     def decided(self, req: RequestView, decision: str, note: str | None = None) -> None:
         """Record this pick's decision on the request (``settle`` counts it once it is used)."""
+        if req.pending is None:
+            req.pending = {}
         req.pending[self.name] = (decision, note)
 
     def settle(self, req: RequestView) -> None:
-        d = req.pending.pop(self.name, None)
+        d = req.pending.pop(self.name, None) if req.pending else None
         if d is not None:
             self.decisions[d[0]] = self.decisions.get(d[0], 0) + 1
             if d[1]:
+                if req.notes is None:
+                    req.notes = []
                 req.notes.append(d[1])
 
     @abc.abstractmethod
@@ -170,6 +174,10 @@ class LoadPolicy(Policy):
 
     def select(self, workers: Sequence[Candidate], req: RequestView = NO_REQUEST) -> int | None:
         return self.by_load([w.load for w in workers])
+
+    def pick(self, candidates: Sequence[W], req: RequestView = NO_REQUEST) -> W | None:  # the hot path: one call
+        i = self.by_load([c.load for c in candidates])
+        return None if i is None else candidates[i]
 
     @abc.abstractmethod
     def by_load(self, loads: Sequence[int]) -> int | None:

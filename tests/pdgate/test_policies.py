@@ -94,7 +94,7 @@ def test_session_key_sources_tenants_and_bound() -> None:
         send(pol, ws, chat("x", user=f"s{i}"))
     assert len(pol.sticky) == 100 and "s999" in pol.sticky and "s0" not in pol.sticky
     anon = chat("x")
-    assert send(pol, ws, anon) and anon.notes == [] and len(pol.sticky) == 100, "no key: by load, nothing kept"
+    assert send(pol, ws, anon) and not anon.notes and len(pol.sticky) == 100, "no key: by load, nothing kept"
 
 
 def conversation(sid: int, rounds: int) -> list[RequestView]:
@@ -200,10 +200,10 @@ def test_only_the_pick_that_is_used_counts_and_notes() -> None:
     req = chat("y", user="s")
     for _ in range(5):
         assert pol.pick([ws[1]], req) is ws[1]  # p0 gone: a move, five times over
-    assert pol.decisions["moved"] == 0 and req.notes == []
+    assert pol.decisions["moved"] == 0 and not req.notes
     assert pol.pick(ws, req) is ws[0]  # p0 back before the grant: the pick that is used is sticky
     pol.dispatched("p0", req)
-    assert pol.decisions == {"sticky": 1, "moved": 0, "new": 1, "none": 0} and req.notes == []
+    assert pol.decisions == {"sticky": 1, "moved": 0, "new": 1, "none": 0} and not req.notes
 
 
 def test_hostile_bodies_cost_little_and_never_raise() -> None:
