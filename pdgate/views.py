@@ -108,22 +108,21 @@ def workers_table(data: dict[str, Any], wide: bool = False, width: int | None = 
 
 
 def trace_view(t: dict[str, Any]) -> Group:
-    head = Table.grid(padding=(0, 2))
-    for i in range(6):
-        if i == 1:  # the id is never cut (what `trace` and `abort` take)
-            head.add_column(no_wrap=True, min_width=len(t["id"]))
-        else:
-            head.add_column(overflow="fold")
-    head.add_row("request", _s(t["id"]), "route", _s(t["route"]), "model", _s(t.get("model")))
-    head.add_row("outcome", Text(_s(t.get("outcome") or t["phase"]).plain,
-                                 style="green" if t.get("outcome") == "completed" else "red" if t.get("outcome") else "yellow"),
-                 "status", _s(t.get("status")), "stream", str(t["stream"]))
+    head = Table.grid(padding=(0, 2))  # label, value: 80 columns hold the id whole
+    head.add_column(no_wrap=True, style="dim")
+    head.add_column(overflow="fold")
+    head.add_row("request", _s(t["id"]))
+    head.add_row("route", _s(f"{t['route']}  model {t.get('model') or '-'}  stream {t['stream']}"))
+    outcome = t.get("outcome") or t["phase"]
+    head.add_row("outcome", Text(f"{_s(outcome).plain}  status {_s(t.get('status')).plain}",
+                                 style="green" if t.get("outcome") == "completed" else "red" if t.get("outcome") else "yellow"))
     if t.get("reason"):
         head.add_row("reason", _s(t["reason"]))
     b = t["budgets_s"]
     tm = t["timings_s"]
-    head.add_row("budgets", f"total {b['total']}s  ttft {b['ttft']}s  idle {b['idle']}s", "ttft", _s(tm.get("ttft")),
-                 "e2e", _s(tm.get("e2e")))
+    head.add_row("budgets", f"total {b['total']}s  ttft {b['ttft']}s  idle {b['idle']}s")
+    secs = {k: "-" if tm.get(k) is None else f"{tm[k]}s" for k in ("ttft", "e2e", "tpot")}
+    head.add_row("timings", f"ttft {secs['ttft']}  e2e {secs['e2e']}  tpot {secs['tpot']}")
     end = tm.get("e2e") or t["age_s"]
     phases = Table(title="phases", show_header=True)
     for col in ("phase", "start s", "took s", "timeline"):
@@ -139,9 +138,11 @@ def trace_view(t: dict[str, Any]) -> Group:
         w = max(1, int((stop - start) / end * BAR)) if end else 1
         phases.add_row(_s(p["phase"]), f"{start:.4f}", f"{stop - start:.4f}", " " * a + "█" * w)
     parts: list[Any] = [head, phases]
-    for att in t["attempts"]:
-        at = Table(title=_s(f"attempt {att['n']}: prefill {att['prefill']}, decode {att['decode']}, rid {att['rid']}, "
-                            f"room {att['bootstrap_room']}" + (f"  error: {att['error']}" if att.get("error") else "")))
+    for att in t["attempts"]:  # its rid on a line of its own: text wraps between words, never inside the rid
+        parts.append(_s(f"attempt {att['n']}: prefill {att['prefill']}, decode {att['decode']}, "
+                        f"room {att['bootstrap_room']}"))
+        parts.append(_s(f"  rid {att['rid']}" + (f"  error: {att['error']}" if att.get("error") else "")))
+        at = Table()
         at.add_column("t s", justify="right")
         at.add_column("event", overflow="fold")
         at.add_column("info", overflow="fold")
