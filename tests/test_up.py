@@ -222,7 +222,8 @@ def test_cli_reads_at_80_columns_and_in_a_pipe(procs: Procs, tmp_path: Path) -> 
         text = run(*args)
         assert text.strip() and all(len(line) <= 80 for line in text.splitlines()), (args, text)
         assert "…" not in text, (args, text)  # nothing cut: values wrap
-    assert rid in run("trace", rid), "the id whole"
+    trace = run("trace", rid)
+    assert rid in trace and f"rid {rid}.1" in trace, "the id and the attempt's rid whole"
     workers = run("workers")
     assert "p0" in workers and "http://127.0.0.1:" in workers.replace("\n", "")
     assert "identity" not in workers and "identity" in run("workers", "--wide", columns="200")
