@@ -175,10 +175,6 @@ class LoadPolicy(Policy):
     def select(self, workers: Sequence[Candidate], req: RequestView = NO_REQUEST) -> int | None:
         return self.by_load([w.load for w in workers])
 
-    def pick(self, candidates: Sequence[W], req: RequestView = NO_REQUEST) -> W | None:  # the hot path: one call
-        i = self.by_load([c.load for c in candidates])
-        return None if i is None else candidates[i]
-
     @abc.abstractmethod
     def by_load(self, loads: Sequence[int]) -> int | None:
         """Index of the chosen worker given each candidate's live load."""
