@@ -31,7 +31,7 @@ from rich.table import Table
 
 from loadtest import agents
 from loadtest.output import pyplot, write
-from loadtest.procs import Proc, free_port, require_router, wait_http
+from loadtest.procs import Proc, free_port, require_router, wait_http, worker_tables
 
 POLICIES = ("round_robin", "least_loaded", "session", "cache_aware")
 ROUTER = "sglang-router cache_aware"
@@ -96,8 +96,7 @@ def start_target(tmp: Path, name: str, prefills: list[tuple[str, int]], decodes:
         return proc, url
     cfg = tmp / f"{name}.toml"
     cfg.write_text(f"[gateway]\nport = {port}\nadmin_port = {free_port()}\npolicy = \"{name}\"\n"
-                   + "".join(f"[[prefill]]\nurl = \"{u}\"\nbootstrap_port = {b}\n" for u, b in prefills)
-                   + "".join(f"[[decode]]\nurl = \"{u}\"\n" for u in decodes))
+                   + worker_tables(prefills, decodes))
     proc = Proc([py, "-m", "pdgate", "serve", "--config", str(cfg), "--log-level", "WARNING"], {},
                 tmp / f"{name}.log").start()
     wait_http(url + "/readiness", timeout=60, proc=proc.popen)

@@ -38,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadtest.output import pyplot, write
-from loadtest.procs import Proc, free_port, require_router, wait_http
+from loadtest.procs import Proc, free_port, require_router, wait_http, worker_tables
 
 BODY = {"model": "sim-model", "messages": [{"role": "user", "content": "say hi"}], "max_tokens": 8}
 SLACK_S = 0.05  # an answer this late past its budget still counts as within it (timer and network)
@@ -171,8 +171,7 @@ def start(tmp: Path, a: argparse.Namespace, procs: list[Proc]) -> tuple[dict[str
         port = free_port()
         cfg = tmp / f"{name}.toml"
         cfg.write_text(f"[gateway]\nport = {port}\nadmin_port = {free_port()}\n[admission]\nenabled = {enabled}\n"
-                       f"[reconcile]\nenabled = false\n[[prefill]]\nurl = \"{pre}\"\nbootstrap_port = {bp}\n"
-                       f"[[decode]]\nurl = \"{dec}\"\n")
+                       "[reconcile]\nenabled = false\n" + worker_tables([(pre, bp)], [dec]))
         procs.append(Proc([py, "-m", "pdgate", "serve", "--config", str(cfg), "--log-level", "WARNING"], {},
                           tmp / f"{name}.log").start())
         targets[name] = f"http://127.0.0.1:{port}"

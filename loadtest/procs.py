@@ -139,3 +139,9 @@ def require_router() -> None:
 
     if importlib.util.find_spec("sglang_router") is None:
         raise SystemExit(f"loadtest: {ROUTER_MISSING}")
+
+
+def worker_tables(prefills: list[tuple[str, int]], decodes: list[str]) -> str:
+    """The ``[[prefill]]`` and ``[[decode]]`` tables of a gateway config for these workers."""
+    return ("".join(f'[[prefill]]\nurl = "{u}"\nbootstrap_port = {b}\n' for u, b in prefills)
+            + "".join(f'[[decode]]\nurl = "{u}"\n' for u in decodes))

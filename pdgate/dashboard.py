@@ -9,6 +9,7 @@ box (kept in the tab's sessionStorage only; never in a URL, which a browser's hi
 
 from __future__ import annotations
 
+import functools
 from importlib import resources
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ RECENT = 30  # recent failures and expiries shown
 PAGE_PATH = "/dashboard"
 
 
+@functools.cache
 def page() -> bytes:
     return resources.files("pdgate").joinpath("dashboard.html").read_bytes()
 

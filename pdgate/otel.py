@@ -32,7 +32,6 @@ class Otel:
     def __init__(self, cfg: OtelConfig, exporter: SpanExporter | None = None) -> None:
         try:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-            from opentelemetry.propagators.textmap import DefaultGetter
             from opentelemetry.sdk.resources import Resource
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
@@ -49,7 +48,6 @@ class Otel:
             self.provider.add_span_processor(SimpleSpanProcessor(exporter))
         self.tracer = self.provider.get_tracer("pdgate")
         self.propagator = TraceContextTextMapPropagator()
-        self._getter = DefaultGetter()
         self._kind = SpanKind
         self._status = (Status, StatusCode)
         self._in_context = set_span_in_context

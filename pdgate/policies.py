@@ -145,6 +145,8 @@ class Policy(abc.ABC):
     def settle(self, req: RequestView) -> None:
         d = req.pending.pop(self.name, None) if req.pending else None
         if d is not None:
+            if "decisions" not in vars(self):  # never the class's shared (empty) dict
+                self.decisions = {}
             self.decisions[d[0]] = self.decisions.get(d[0], 0) + 1
             if d[1]:
                 if req.notes is None:

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.procs import ROOT, Proc, free_port, wait_http
+from loadtest.procs import ROOT, Proc, free_port, wait_http, worker_tables
 
-__all__ = ["ROOT", "Proc", "Procs", "Sim", "free_port", "wait_http"]
+__all__ = ["ROOT", "Proc", "Procs", "Sim", "free_port", "wait_http", "workers_toml"]
 
 
 @dataclass
@@ -23,6 +23,11 @@ class Sim:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+
+def workers_toml(prefills: Sequence[Sim], decodes: Sequence[Sim]) -> str:
+    """The ``[[prefill]]`` and ``[[decode]]`` tables of a gateway config for these sims."""
+    return worker_tables([(p.url, p.bootstrap_port) for p in prefills], [d.url for d in decodes])
 
 
 @dataclass

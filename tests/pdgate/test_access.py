@@ -30,7 +30,7 @@ from pdgate.gateway import Gateway
 from pdgate.reconcile import RID
 from pdgate.workers import State
 from tests.pdgate.harness import Running, make_config, start_gateway
-from tests.procs import ROOT, Procs, Sim, free_port, wait_http
+from tests.procs import ROOT, Procs, Sim, free_port, wait_http, workers_toml
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "say hi"}], "max_tokens": 4}
 ADMIN_KEY, A_KEY, B_KEY = new_key(), new_key(), new_key()
@@ -515,7 +515,7 @@ def test_keys_file_cli_and_admin_socket_with_real_processes(procs: Procs, tmp_pa
     port, sock = free_port(), str(tmp_path / "admin.sock")
     (tmp_path / "gw.toml").write_text(
         f'[gateway]\nport = {port}\nadmin_socket = "{sock}"\nkeys_file = "keys.toml"\n'
-        f'[[prefill]]\nurl = "{p.url}"\nbootstrap_port = {p.bootstrap_port}\n[[decode]]\nurl = "{d.url}"\n')
+        + workers_toml([p], [d]))
     gw = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(tmp_path / "gw.toml")], name="gateway")
     wait_http(f"http://127.0.0.1:{port}/readiness", proc=gw.popen)
     assert oct(os.stat(sock).st_mode & 0o777) == oct(0o600), "the admin socket is its owner's only"

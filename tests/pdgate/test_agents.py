@@ -36,8 +36,9 @@ async def gateway(gateways: list[Any], prefills: list[Sim], decodes: list[Sim], 
 
 async def test_openai_sdk_agent_loop_with_tool_calls_for_8_rounds(procs: Procs, gateways: list[Any]) -> None:
     """A real agent loop: the model asks for a tool, the tool's result goes back, the model answers; 8 rounds,
-    streaming on odd rounds, through pdgate with the cache_aware policy."""
-    p, d = procs.pair()
+    streaming on odd rounds, through pdgate with the cache_aware policy. The sims cut and merge their writes at
+    random offsets (as a loaded engine and a real network do), so tool-call deltas arrive split across reads."""
+    p, d = procs.pair("--fault", "segment=0.7", "--fault", "segment_seed=16")
     g = await gateway(gateways, [p], [d], policy="cache_aware")
     client = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key="none", max_retries=0)
     messages: list[Any] = [{"role": "system", "content": "You are a coding agent."}]

@@ -117,7 +117,13 @@ async def test_dashboard_with_an_admin_key_in_the_browser(procs: Procs, gateways
 
         await asyncio.to_thread(give_key)
         await asyncio.to_thread(wait_for, driver, lambda dr: dr.find_element("id", "instance").text == g.gw.instance)
-        assert KEY not in await asyncio.to_thread(lambda: driver.current_url), "never in a URL"
+        stored = await asyncio.to_thread(driver.execute_script, "return [sessionStorage.getItem('pdgate-admin-key'), "
+                                                                "localStorage.length]")
+        assert stored == [KEY, 0], "kept in this tab only"
+        # a key in a URL (which the browser's history would keep) is not taken: a fresh tab still asks for one
+        await asyncio.to_thread(driver.switch_to.new_window, "tab")
+        await asyncio.to_thread(driver.get, g.admin + f"/dashboard#key={KEY}")
+        await asyncio.to_thread(wait_for, driver, lambda dr: dr.find_element("id", "key").is_displayed())
     finally:
         await asyncio.to_thread(driver.quit)
 

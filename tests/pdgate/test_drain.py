@@ -15,7 +15,7 @@ import pytest
 
 from tests.engine.simclient import engine_requests
 from tests.pdgate.test_outcomes import CHAT
-from tests.procs import Procs, free_port, wait_http
+from tests.procs import Procs, free_port, wait_http, workers_toml
 
 
 @pytest.mark.parametrize("drain_s", [10.0, 0.0])
@@ -26,7 +26,7 @@ async def test_sigterm_lets_live_requests_finish(procs: Procs, http: aiohttp.Cli
     port = free_port()
     cfg = tmp_path / "g.toml"
     cfg.write_text(f"[gateway]\nport = {port}\nadmin_port = {free_port()}\ndrain_s = {drain_s}\n[reconcile]\nenabled = false\n"
-                   f'[[prefill]]\nurl = "{p.url}"\nbootstrap_port = {p.bootstrap_port}\n[[decode]]\nurl = "{d.url}"\n')
+                   + workers_toml([p], [d]))
     g = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg)], name="gateway")
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/readiness", proc=g.popen)

@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from pdgate.config import OtelConfig
 from pdgate.otel import Otel
 from tests.pdgate.harness import make_config, start_gateway
-from tests.procs import Procs, free_port, wait_http
+from tests.procs import Procs, free_port, wait_http, workers_toml
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
@@ -96,7 +96,7 @@ async def test_otlp_http_export_from_a_real_gateway_process(procs: Procs, tmp_pa
         cfg = tmp_path / "g.toml"
         cfg.write_text(f'[gateway]\nport = {port}\nadmin_port = {free_port()}\n[otel]\nenabled = true\n'
                        f'endpoint = "http://127.0.0.1:{rport}/v1/traces"\nservice_name = "pdgate-test"\n'
-                       f'[[prefill]]\nurl = "{p.url}"\nbootstrap_port = {p.bootstrap_port}\n[[decode]]\nurl = "{d.url}"\n')
+                       + workers_toml([p], [d]))
         gw = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg)], name="pdgate-otel")
         url = f"http://127.0.0.1:{port}"
         await asyncio.to_thread(wait_http, url + "/readiness", 30, gw.popen)
@@ -140,14 +140,11 @@ def test_otel_without_the_extra_is_a_named_config_error(monkeypatch: pytest.Monk
 
 async def test_stopping_with_the_collector_down_is_bounded() -> None:
     """A collector that is down used to hold the gateway's stop for 7-30 s (the exporter's retries)."""
-    import socket
     import time
 
     from pdgate import otel
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = s.getsockname()[1]  # closed when the block ends: nothing listens there
+    dead = free_port()  # nothing listens there
     o = Otel(OtelConfig(enabled=True, endpoint=f"http://127.0.0.1:{dead}/v1/traces"))
     for i in range(3000):
         o.tracer.start_span(f"s{i}").end()

@@ -16,7 +16,7 @@ from pdgate.config import ReconcileConfig
 from tests.engine.simclient import engine_requests, gauge, set_faults, wait_gauge
 from tests.pdgate.harness import make_config, start_gateway
 from tests.pdgate.test_outcomes import CHAT, gateway, post
-from tests.procs import Procs, free_port, wait_http
+from tests.procs import Procs, free_port, wait_http, workers_toml
 
 INFLIGHT = "num_prefill_inflight_queue_reqs"
 FAST = ReconcileConfig(interval_s=0.5, grace_s=1.0, lease_s=2.0)
@@ -108,7 +108,7 @@ async def test_gateway_killed_mid_load_is_cleaned_by_its_successor(procs: Procs,
     port = free_port()
     cfg = tmp_path / "a.toml"
     cfg.write_text(f'[gateway]\nport = {port}\nadmin_port = {free_port()}\n[reconcile]\nenabled = false\n'
-                   f'[[prefill]]\nurl = "{p.url}"\nbootstrap_port = {p.bootstrap_port}\n[[decode]]\nurl = "{d.url}"\n')
+                   + workers_toml([p], [d]))
     a = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg)], name="gateway-a")
     wait_http(f"http://127.0.0.1:{port}/readiness", proc=a.popen)
     await pin_on_prefill(http, f"http://127.0.0.1:{port}", 3)
@@ -131,7 +131,7 @@ async def test_two_gateway_processes_never_abort_each_others_live_requests(
     cfg = tmp_path / "a.toml"
     cfg.write_text(f'[gateway]\nport = {pa}\nadmin_port = {a_admin}\npeers = ["http://127.0.0.1:{pb}"]\n'
                    f"[reconcile]\ninterval_s = 0.3\ngrace_s = 0.5\nlease_s = 1.5\n"
-                   f'[[prefill]]\nurl = "{p.url}"\nbootstrap_port = {p.bootstrap_port}\n[[decode]]\nurl = "{d.url}"\n')
+                   + workers_toml([p], [d]))
     a_proc = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg)], name="gateway-a")
     a_url = f"http://127.0.0.1:{pa}"
     wait_http(a_url + "/readiness", proc=a_proc.popen)
