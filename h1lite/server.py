@@ -274,11 +274,12 @@ class Server:
         self.reaper: asyncio.Task[None] | None = None
         self.draining = False
 
-    async def start(self, host: str, port: int, backlog: int = 1024) -> None:
-        """Listen on ``host:port`` (port 0: a free one, then read ``self.port``)."""
+    async def start(self, host: str, port: int, backlog: int = 1024, reuse_port: bool = False) -> None:
+        """Listen on ``host:port`` (port 0: a free one, then read ``self.port``); ``reuse_port``: with
+        ``SO_REUSEPORT``, beside other processes listening on the same port (the kernel spreads connections)."""
         loop = asyncio.get_running_loop()
         self.server = await loop.create_server(lambda: HttpProtocol(self), host, port, reuse_address=True,
-                                               backlog=backlog)
+                                               reuse_port=reuse_port or None, backlog=backlog)
         self.reaper = loop.create_task(self._reap())
 
     async def start_unix(self, path: str, backlog: int = 1024) -> None:

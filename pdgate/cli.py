@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import http.client
 import json
 import logging
@@ -26,7 +27,7 @@ import uvloop
 from rich.console import Console, Group
 from rich.live import Live
 
-from pdgate import auth, config, views
+from pdgate import auth, config, multi, views
 from pdgate.server import build_app, serve
 
 log = logging.getLogger("pdgate")
@@ -77,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-policy", choices=config.POLICIES, help="the prefill's choice (default: --policy)")
     p.add_argument("--decode-policy", choices=config.LOAD_POLICIES, help="the decode's choice (default: --policy)")
     p.add_argument("--max-attempts", type=int, help="attempts per request, 1..9 (config default 3)")
+    p.add_argument("--workers", type=int, default=multi.default_workers(), metavar="N",
+                   help="gateway processes sharing the port (SO_REUSEPORT), under a supervisor that restarts "
+                   "one that dies; one relays on one core (limits apply per process)")
     p = sub.add_parser("up", help="start the workers of a cluster file and the gateway in front of them",
                        formatter_class=HELP)
     _add_gateway_flags(p)
@@ -142,15 +146,36 @@ def admin_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def run_serve(cfg: config.GatewayConfig) -> None:
+    parent = os.getppid()
     runner = await serve(build_app(cfg), cfg.host, cfg.port)
-    log.info("pdgate listening on http://%s:%d (%d prefill, %d decode workers)", cfg.host, cfg.port,
-             len(cfg.prefill), len(cfg.decode))
+    log.info("pdgate listening on http://%s:%d (%d prefill, %d decode workers%s)", cfg.host, cfg.port,
+             len(cfg.prefill), len(cfg.decode), f"; process {runner.group.index}" if runner.group else "")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    watch = loop.create_task(multi.orphaned(parent, stop)) if runner.group is not None else None
+    gc.freeze()  # what start-up made lives as long as the process: the collector stops walking it
     await stop.wait()
+    if watch is not None:
+        watch.cancel()
     await runner.cleanup()
+
+
+def serve_group(args: argparse.Namespace, argv: list[str]) -> None:
+    """``pdgate serve --workers N`` (N > 1): the supervisor of N gateway processes (``pdgate.multi``)."""
+    cfg = build_config(args)  # a bad config is refused once, here, not N times
+    if args.workers > 64:
+        raise config.ConfigError("--workers", args.workers, "must be 1..64")
+    if cfg.admin_socket:
+        raise config.ConfigError("--workers", args.workers, "needs the admin plane on a TCP port (admin_port) that "
+                                 "its processes share; admin_socket serves one process")
+    for flag, port in (("--port", cfg.port), ("--admin-port", cfg.admin_port)):
+        if port == 0:
+            raise config.ConfigError(flag, 0, f"must be a fixed port with --workers {args.workers} (the processes "
+                                     "share it)")
+    log.info("pdgate: %d gateway processes on http://%s:%d", args.workers, cfg.host, cfg.port)
+    multi.run(argv, args.workers, cfg.drain_s)
 
 
 class UnixConnection(http.client.HTTPConnection):
@@ -315,7 +340,11 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        if args.cmd == "serve":
+        if args.cmd == "serve" and args.workers > 1 and multi.Group.from_env() is None:
+            serve_group(args, sys.argv[1:] if argv is None else argv)
+        elif args.cmd == "serve":
+            if args.workers < 1:
+                raise config.ConfigError("--workers", args.workers, "must be 1..64")
             uvloop.run(run_serve(build_config(args)))
         else:
             from pdgate.up import run_up  # the one place the gateway meets engine/

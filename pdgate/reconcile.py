@@ -16,7 +16,9 @@ Leases: a gateway's lease is its instance id served at ``GET /v1/lease``; each g
 its ``peers``' leases every pass. Another instance's rids are only touched once that
 instance has been seen neither as a peer's current lease nor in this process for ``lease_s``
 (a peer that restarted has a new instance id, so its old one lapses). A live gateway keeps
-answering with its instance id, so two gateways never abort each other's live requests.
+answering with its instance id, so two gateways never abort each other's live requests. The
+processes of one ``pdgate serve --workers N`` know each other from their record files
+(``pdgate.multi``), and a peer that is such a group names all its instances in its lease.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pdgate import protocol
@@ -48,6 +51,8 @@ class Reconciler:
         self.seen: dict[str, float] = {}  # instance id -> last time it was known alive
         self.drift_runs: dict[str, int] = {}
         self.drift_since: dict[str, float] = {}
+        # the instance ids of this gateway's sibling processes (``pdgate.multi``: their record files)
+        self.siblings: Callable[[], Iterable[str]] = tuple
 
     # ---- facts ------------------------------------------------------------------------
     def live_rids(self) -> set[str]:
@@ -56,6 +61,8 @@ class Reconciler:
     async def refresh_leases(self) -> None:
         now = self.gw.now()
         self.seen[self.gw.instance] = now
+        for inst in self.siblings():
+            self.seen[inst] = now
         for peer in self.gw.cfg.peers:
             try:
                 status, body = await self.gw.up().get_json(peer.rstrip("/") + "/v1/lease", 2.0)
@@ -63,6 +70,9 @@ class Reconciler:
                 continue
             if status == 200 and isinstance(body, dict) and isinstance(body.get("instance"), str):
                 self.seen[body["instance"]] = now
+                for inst in body.get("instances") or ():  # a peer of several processes names them all
+                    if isinstance(inst, str):
+                        self.seen[inst] = now
 
     def lapsed(self, inst: str) -> bool:
         """Whether another instance's lease has lapsed; first sight of an instance starts its clock."""

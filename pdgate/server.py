@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
 import resource
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol
@@ -29,7 +31,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from h1lite.errors import HTTPError
 from h1lite.server import Request, Response, Router, Server, Stream, json_response
-from pdgate import access_log, admin, dashboard, health, proxy, reconcile, validation
+from pdgate import access_log, admin, dashboard, health, multi, proxy, reconcile, siblings, validation
 from pdgate.auth import Admin, Tenant, bearer
 from pdgate.config import ConfigError, GatewayConfig, is_loopback, worker_hosts_allowed
 from pdgate.errors import Forbidden, RateLimited, Unauthorized, one_line
@@ -225,33 +227,44 @@ class App:
     """The gateway with its routes, background tasks and (under ``pdgate up``) the owner of its workers."""
 
     def __init__(self, cfg: GatewayConfig, gateway: Gateway | None = None, owner: Owner | None = None) -> None:
+        self.group = multi.Group.from_env()  # one of several processes on one port (``pdgate serve --workers N``)
+        if self.group is not None and gateway is None:  # an instance id of its own: rids stay unique
+            cfg = dataclasses.replace(cfg, instance_id=(cfg.instance_id or "")[:8] + secrets.token_hex(4))
         self.cfg = cfg
         self.gw = gateway or Gateway(cfg)
+        self.siblings = siblings.Siblings(self, self.group) if self.group is not None else None
         self.owner = owner
         self.health_tasks: dict[str, asyncio.Task[None]] = {}
         self.reconciler = reconcile.Reconciler(self.gw)
+        if self.group is not None:
+            group = self.group
+            self.reconciler.siblings = lambda: [str(m["instance"]) for m in group.members()]
         self.rec_task: asyncio.Task[None] | None = None
         self.worker_hosts = worker_hosts_allowed(cfg)
         self.registering: set[tuple[str, str]] = set()  # (role, url) of registrations being probed
         self.router = front = Router()
         for route in GENERATION:
             front.add("POST", route, functools.partial(self.generate, route))
+
+        def on(plane: str, method: str, path: str, handler: Any) -> siblings.Handler:
+            return siblings.fanned(self, plane, method, path, functools.partial(handler, self))
+
         for method, path, handler in FRONT:
-            front.add(method, path, functools.partial(handler, self))
+            front.add(method, path, on("front", method, path, handler))
         back = Router()
         for method, path, handler in [*FRONT, ("GET", "/metrics", metrics)]:
-            back.add(method, path, functools.partial(handler, self))
+            back.add(method, path, on("admin", method, path, handler))
         self.operator_paths: set[str] = set()
         for method, path, handler, action in admin.ROUTES:
             h = admin.audited(action, handler) if action else handler
-            back.add(method, path, functools.partial(h, self))
+            back.add(method, path, on("admin", method, path, h))
             if path in admin.REQUEST_PATHS:
-                front.add(method, path, functools.partial(h, self))  # a client key's own requests
+                front.add(method, path, on("front", method, path, h))  # a client key's own requests
             else:
                 front.add(method, path, functools.partial(operator_only, self))
                 self.operator_paths.add(path)
         if cfg.metrics_on_front:
-            front.add("GET", "/metrics", functools.partial(metrics, self))
+            front.add("GET", "/metrics", on("front", "GET", "/metrics", metrics))
         else:
             front.add("GET", "/metrics", functools.partial(operator_only, self))
             self.operator_paths.add("/metrics")
@@ -260,8 +273,13 @@ class App:
             chain_of.append(client_keys(self))
         dispatch = chain(front.dispatch, *chain_of)
         self.server = Server(dispatch, cfg.max_body_bytes, cfg.keepalive_s, cfg.head_timeout_s, cfg.body_timeout_s)
-        self.admin = Server(chain(back.dispatch, admin_keys(self)), 1 << 20, cfg.keepalive_s, cfg.head_timeout_s,
-                            cfg.body_timeout_s)
+        admin_dispatch = chain(back.dispatch, admin_keys(self))
+        self.admin = Server(admin_dispatch, 1 << 20, cfg.keepalive_s, cfg.head_timeout_s, cfg.body_timeout_s)
+        # a process of a group also answers its siblings, on loopback, with each plane's own keys and middleware
+        self.private = {"front": Server(dispatch, cfg.max_body_bytes, cfg.keepalive_s, cfg.head_timeout_s,
+                                        cfg.body_timeout_s),
+                        "admin": Server(admin_dispatch, 1 << 20, cfg.keepalive_s, cfg.head_timeout_s,
+                                        cfg.body_timeout_s)} if self.group is not None else {}
         if self.gw.tenants is not None:
             self.gw.metrics.add_collector(self._tenant_gauges)
 
@@ -307,15 +325,22 @@ class App:
         if gw.cfg.reconcile.enabled:
             self.rec_task = asyncio.get_running_loop().create_task(self.reconciler.run())
         c = self.cfg
+        shared = self.group is not None  # SO_REUSEPORT: the group's processes listen on the same ports
         try:
             if c.admin_socket:
                 await self.listen("--admin-socket", c.admin_socket, self.admin.start_unix(c.admin_socket))
             else:
-                await self.listen("--admin-port", c.admin_port, self.admin.start(c.admin_host, c.admin_port))
-            await self.listen("--port", port, self.server.start(host, port))
+                await self.listen("--admin-port", c.admin_port, self.admin.start(c.admin_host, c.admin_port,
+                                                                                 reuse_port=shared))
+            await self.listen("--port", port, self.server.start(host, port, reuse_port=shared))
+            for srv in self.private.values():
+                await srv.start("127.0.0.1", 0)
         except ConfigError:
             await self.cleanup()  # what started before the refusal stops with it
             raise
+        if self.group is not None:
+            self.group.announce({"instance": gw.instance, "started": time.time(),
+                                 **{plane: f"http://127.0.0.1:{srv.port}" for plane, srv in self.private.items()}})
         warning = open_front_door(host, gw.tenants is not None)
         if warning:
             log.warning(warning)
@@ -325,9 +350,15 @@ class App:
         """Drain: stop accepting, let live requests finish for ``drain_s``, then give each one still
         live its terminal answer (and abort its legs) before the connections close."""
         drain_s = self.cfg.drain_s
+        if self.group is not None:
+            self.group.withdraw()
         await self.server.close(drain_s, lambda: self.gw.drain(f"still live after drain_s={drain_s:g}s"))
         ours = self.admin.server is not None  # the socket file is ours to remove only if we listened on it
         await self.admin.close()
+        for srv in self.private.values():
+            await srv.close()
+        if self.siblings is not None:
+            self.siblings.close()
         if self.cfg.admin_socket and ours:
             with contextlib.suppress(OSError):
                 os.unlink(self.cfg.admin_socket)
