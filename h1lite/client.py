@@ -95,8 +95,7 @@ class Response:
                 self._finish(BodyTooLarge(f"{self._conn.pool.origin} answered more than {self.limit} bytes"))
                 self._conn.close()
                 return
-        self._chunks.append(data)
-        self._wake()
+        self._chunks.append(data)  # nobody is woken: read() and pipe() wait for the end of the message alone
 
     def _flush(self) -> None:
         """Hand what arrived in one read to the sink, at once (called at the end of ``data_received``)."""

@@ -20,6 +20,7 @@ from typing import Any
 from pdgate import protocol
 from pdgate.errors import one_line
 from pdgate.gateway import Gateway
+from pdgate.upstream import LoopLate
 from pdgate.workers import Breaker, State, Worker
 
 log = logging.getLogger("pdgate.health")
@@ -29,6 +30,8 @@ async def check(gw: Gateway, w: Worker) -> None:
     cfg = gw.cfg.health
     info: Any = None
     ok = False
+    started = gw.now()
+    inconclusive = False
     try:
         status, _ = await gw.up().get(w.url + protocol.HEALTH_PATH, cfg.timeout_s)
         ok = status == 200
@@ -50,14 +53,25 @@ async def check(gw: Gateway, w: Worker) -> None:
             w.last_error = f"/health answered {status}"
     except OSError as exc:  # a timeout's message is empty: say what it was
         detail = str(exc) or (f"no answer within {cfg.timeout_s:g}s" if isinstance(exc, TimeoutError) else "no detail")
-        w.last_error = one_line(f"{exc.__class__.__name__}: {detail}")
+        inconclusive = late_not_lost(w, started, exc)
+        w.last_error = one_line(f"{exc.__class__.__name__}: {detail}" + (
+            " (not counted against it)" if inconclusive else ""))
     if ok:
         on_up(gw, w, info if isinstance(info, dict) else {})
-    else:
+    elif not inconclusive:
         on_failed_check(gw, w)
     w.checked = True
     check_progress(gw, w)
     gw.gate.pump()  # its capacity, its backoff or its state may have changed
+
+
+def late_not_lost(w: Worker, started: float, exc: BaseException) -> bool:
+    """Whether a timed-out check says nothing against the worker, and is not counted as a failure: this gateway's
+    own loop ran behind (a saturated relay reads everything late, and its timers fire before the reads:
+    ``LoopLate``), or the worker kept sending our requests' tokens while we waited for its answer."""
+    if isinstance(exc, LoopLate):
+        return True
+    return isinstance(exc, TimeoutError) and w.last_progress >= started and w.busy_since is not None
 
 
 async def ext_info(gw: Gateway, w: Worker, timeout_s: float) -> dict[str, Any]:

@@ -37,11 +37,14 @@ class Framer:
     an error nor ``[DONE]``), ``error`` / ``first_error`` (an error event among them / as the very
     first event of the stream), ``done`` (the ``[DONE]`` event came; nothing after it is passed on)."""
 
-    __slots__ = ("done", "error", "first_error", "sep", "tail", "tokens")
+    __slots__ = ("done", "done_ev", "error", "error_ev", "first_error", "sep", "sep_done", "tail", "tokens")
 
     def __init__(self) -> None:
         self.tail = b""
         self.sep = b""  # b"\n\n" or b"\r\n\r\n", fixed by the first event
+        # made once with the separator (every read is looked at for them): an error event after another event,
+        # the [DONE] event, and [DONE] after another event
+        self.error_ev = self.done_ev = self.sep_done = b""
         self.tokens = 0
         self.error = False
         self.first_error = False
@@ -60,29 +63,35 @@ class Framer:
         if not sep:  # no event has ended yet
             self.tail = chunk
             return b""
-        end = chunk.rfind(sep)
-        if end < 0:
-            self.tail = chunk
-            return b""
-        end += len(sep)
-        if end < len(chunk):
+        if not chunk.endswith(sep):  # the common case (one whole event per read) skips the search for the end
+            end = chunk.rfind(sep)
+            if end < 0:
+                self.tail = chunk
+                return b""
+            end += len(sep)
             chunk, self.tail = chunk[:end], chunk[end:]
-        n = chunk.count(sep)
-        errors = chunk.count(sep + ERROR) + chunk.startswith(ERROR)
-        self.first_error = first and chunk.startswith(ERROR)
-        self.error = errors > 0
-        done_at = self._done_at(chunk, sep)
-        if done_at >= 0:
-            self.done = True
-            self.tail = b""
-            chunk = chunk[:done_at]
-            n = chunk.count(sep)
-            errors = chunk.count(sep + ERROR) + chunk.startswith(ERROR)
-            self.error = errors > 0
-            self.tokens = n - errors - 1
-        else:
-            self.tokens = n - errors
+        if DONE in chunk:  # a cheap look first: is there anything like [DONE] at all
+            done_at = self._done_at(chunk)
+            if done_at >= 0:
+                self.done = True
+                self.tail = b""
+                chunk = chunk[:done_at]
+                errors = self._errors(chunk)
+                self.first_error = first and chunk.startswith(ERROR)
+                self.error = errors > 0
+                self.tokens = chunk.count(sep) - errors - 1
+                return chunk
+        errors = self._errors(chunk)
+        if errors:
+            self.first_error = first and chunk.startswith(ERROR)
+            self.error = True
+        self.tokens = chunk.count(sep) - errors
         return chunk
+
+    def _errors(self, chunk: bytes) -> int:
+        if ERROR not in chunk:
+            return 0
+        return chunk.count(self.error_ev) + chunk.startswith(ERROR)
 
     def _sep(self, data: bytes) -> bytes:
         lf, crlf = data.find(b"\n\n"), data.find(b"\r\n\r\n")
@@ -90,16 +99,17 @@ class Framer:
             self.sep = b"\r\n\r\n"
         elif lf >= 0:
             self.sep = b"\n\n"
+        if self.sep:
+            self.error_ev, self.done_ev = self.sep + ERROR, DONE + self.sep
+            self.sep_done = self.sep + self.done_ev
         return self.sep
 
-    @staticmethod
-    def _done_at(chunk: bytes, sep: bytes) -> int:
+    def _done_at(self, chunk: bytes) -> int:
         """The end of the ``[DONE]`` event in ``chunk`` (an event of its own), or -1."""
-        ev = DONE + sep
-        if chunk.startswith(ev):
-            return len(ev)
-        i = chunk.find(sep + ev)
-        return -1 if i < 0 else i + len(sep) + len(ev)
+        if chunk.startswith(self.done_ev):
+            return len(self.done_ev)
+        i = chunk.find(self.sep_done)
+        return -1 if i < 0 else i + len(self.sep_done)
 
 
 class Relay:

@@ -17,6 +17,13 @@ from pdgate.errors import UpstreamConnectError, UpstreamError
 SMALL_BODY = 1 << 20  # health, server info, loads, probes, aborts: answers are small; more is refused
 
 
+LATE_S = 0.1  # a timeout handled this much (or a quarter of it) after it was due: the loop was behind
+
+
+class LoopLate(TimeoutError):
+    """A timeout that says more about this process than about the engine: it was noticed well after it was due."""
+
+
 def split_url(url: str) -> tuple[str, str]:
     """``http://h:p/a?b`` -> (``http://h:p``, ``/a?b``)."""
     i = url.find("/", url.find("//") + 2)
@@ -55,9 +62,20 @@ class Upstream:
             return status
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
+        """A small GET within ``timeout_s``; past it ``TimeoutError``, or ``LoopLate`` when this process's own loop
+        ran so far behind that the timeout was noticed late (the answer may have been waiting in the socket)."""
         base, target = split_url(url)
-        async with asyncio.timeout(timeout_s):
-            return await self.client.fetch(base, "GET", target, headers=self.auth, limit=SMALL_BODY)
+        loop = asyncio.get_running_loop()
+        due = loop.time() + timeout_s
+        try:
+            async with asyncio.timeout_at(due):
+                return await self.client.fetch(base, "GET", target, headers=self.auth, limit=SMALL_BODY)
+        except TimeoutError:
+            late = loop.time() - due
+            if late > max(LATE_S, timeout_s / 4):
+                raise LoopLate(f"no answer within {timeout_s:g}s, but this gateway's loop ran {late:.2f}s behind") \
+                    from None
+            raise
 
     async def get_json(self, url: str, timeout_s: float) -> tuple[int, Any]:
         status, raw = await self.get(url, timeout_s)

@@ -348,6 +348,52 @@ async def test_client_pipes_a_chunked_stream() -> None:
             client.close()
 
 
+async def test_a_piped_body_wakes_its_reader_once_not_per_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pipe() hands every piece over from the protocol itself; the task waiting in pipe() (and read()) is woken
+    by the end of the message alone, not once per piece (a task switch per token: ../shared/reference/
+    streaming-profile.md). 100 pieces, each in a read of its own, must not mean 100 wake-ups."""
+    from h1lite import client as h1client
+
+    waits = [0]
+    real_wait = h1client.Response._wait
+
+    async def counted(self: h1client.Response) -> None:
+        waits[0] += 1
+        await real_wait(self)
+
+    monkeypatch.setattr(h1client.Response, "_wait", counted)
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.readexactly(2)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(100):
+            writer.write(b"4\r\n%04d\r\n" % i)
+            await writer.drain()
+            await asyncio.sleep(0.002)  # each piece in a read of its own
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # until the client closes its end
+        writer.close()
+        await writer.wait_closed()
+
+    srv = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    client = Client(connect_timeout_s=1.0)
+    got: list[bytes] = []
+    try:
+        async with client.send(f"http://127.0.0.1:{port}", "POST", "/s", b"{}") as r:
+            await r.pipe(got.append)
+        assert b"".join(got) == b"".join(b"%04d" % i for i in range(100))
+        assert len(got) > 50, "the pieces came in reads of their own"
+        assert waits[0] <= 2, f"pipe() was woken {waits[0]} times for one message"
+    finally:
+        client.close()
+        await asyncio.sleep(0.05)
+        srv.close()
+        await srv.wait_closed()
+
+
 @pytest.mark.parametrize("script", [
     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n",  # closed mid-stream
     b"garbage that is not HTTP\r\n\r\n",

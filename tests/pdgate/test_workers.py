@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import aiohttp
@@ -177,3 +178,54 @@ async def test_sglang_worker_identity_from_the_extension(gateways: list[Any], ex
     finally:
         for r in runners:
             await r.cleanup()
+
+
+@pytest.mark.parametrize("counted", [False, True])
+async def test_health_checks_a_busy_gateway_answers_late_do_not_take_workers_down(
+        procs: Procs, http: aiohttp.ClientSession, gateways: list[Any], monkeypatch: pytest.MonkeyPatch,
+        counted: bool) -> None:
+    """A saturated gateway reads every answer late and its timers fire before the reads: the health checks of
+    healthy workers time out. Such a check is not counted (``health.late_not_lost``); with that switched off
+    (``counted``) the same stalls take both workers down and the stream on them is failed."""
+    from pdgate import health
+    from pdgate.upstream import Upstream
+    from pdgate.workers import State, Worker
+
+    p, d = procs.sim("prefill"), procs.sim("decode", "--speed", "15")  # 100 tokens: several seconds of stream
+    g = await gateway(gateways, [p], [d], max_attempts=1,
+                      health=HealthConfig(interval_s=0.2, timeout_s=0.3, failures=2, degraded_after_s=30))
+    if counted:
+        monkeypatch.setattr(health, "late_not_lost", lambda *_: False)
+    stalls = [0]
+    real_get = Upstream.get
+
+    async def stalled(self: Upstream, url: str, timeout_s: float) -> tuple[int, bytes]:
+        if url.endswith("/health") and stalls[0] > 0:  # the loop stops right after the check is sent
+            stalls[0] -= 1
+            asyncio.get_running_loop().call_soon(time.sleep, timeout_s * 2)
+        return await real_get(self, url, timeout_s)
+
+    monkeypatch.setattr(Upstream, "get", stalled)
+    downs: list[str] = []
+    real_transition = Worker.transition
+
+    def seen(self: Worker, state: State, now: float, why: str) -> None:
+        if state is State.DOWN:
+            downs.append(self.id)
+        real_transition(self, state, now, why)
+
+    monkeypatch.setattr(Worker, "transition", seen)
+    body = {**CHAT, "max_tokens": 100, "stream": True}
+    async with http.post(g.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200
+        first = await r.content.readuntil(b"\n\n")
+        assert first.startswith(b"data: {")
+        stalls[0] = 4  # two checks of each worker (health.failures) stall the loop past their timeout
+        text = (first + await r.content.read()).decode()
+    assert stalls[0] == 0, "the stalls happened while the stream ran"
+    if counted:
+        assert sorted(set(downs)) == sorted(w.id for w in g.gw.pool.by_id.values()), \
+            "without the mechanism the stalls count as failed checks: healthy workers taken down"
+    else:
+        assert not downs, f"workers taken down by a late loop: {downs}"
+        assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
