@@ -13,6 +13,12 @@ two workers and of the load generator, and each result as a ratio to direct. The
 figures add up to what a request costs the whole machine; at ``cores * 1e6 / that`` req/s
 every core is busy, so a result near this bound is CPU-bound, and two targets that are both
 CPU-bound can differ in req/s by at most the ratio of their totals. Writes JSON and a PNG.
+
+``--streams-workload`` (loadtest/streams.py): N long-lived SSE streams at ``--tokens-per-s`` each (default
+10) through direct, pdgate and sglang-router on paced fake engines, for each N of ``--streams``
+(default 250 500 1000 2000): the relay delay each target adds over direct (p50/p99/p99.9), CPU per
+relayed event, KB per live stream, errors, and the events/s at which the p99 added passes 10 ms.
+``--overload`` (loadtest/overload.py): goodput under overload.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from loadtest import overload
+from loadtest import overload, streams
 from loadtest.output import pyplot, write
 from loadtest.procs import Proc, cpu_seconds, free_port, require_router, wait_http
 
@@ -83,8 +89,8 @@ def start_targets(stack: Stack, mini_lb: bool, fake: bool = False) -> tuple[dict
                                       "--bootstrap-port", str(bp), "--speed", "0", "--log-level", "WARNING"])
         dec = stack.spawn("decode", [py, "-m", "engine.sim", "--role", "decode", "--port", str(dp), "--speed", "0",
                                      "--log-level", "WARNING"])
-    workers = {"prefill": f"http://127.0.0.1:{pp}", "bootstrap_port": bp, "decode": f"http://127.0.0.1:{dp}",
-               "pids": [pre.pid, dec.pid]}
+    workers: dict[str, Any] = {"prefill": f"http://127.0.0.1:{pp}", "bootstrap_port": bp,
+                               "decode": f"http://127.0.0.1:{dp}", "pids": [pre.pid, dec.pid]}
     wait_http(workers["prefill"] + "/health", proc=pre.popen)
     wait_http(workers["decode"] + "/health", proc=dec.popen)
     targets: dict[str, tuple[str, Proc | None]] = {"direct": ("", None)}
@@ -93,7 +99,7 @@ def start_targets(stack: Stack, mini_lb: bool, fake: bool = False) -> tuple[dict
                                "--prefill", workers["prefill"], str(bp),
                                "--decode", workers["decode"], "--log-level", "WARNING"])
     targets["pdgate"] = (f"http://127.0.0.1:{gp}", g)
-    routers = [("sglang-router", [])] + ([("mini_lb", ["--mini-lb"])] if mini_lb else [])
+    routers: list[tuple[str, list[str]]] = [("sglang-router", [])] + ([("mini_lb", ["--mini-lb"])] if mini_lb else [])
     for name, extra in routers:
         rp = free_port()
         r = stack.spawn(name, [py, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
@@ -281,6 +287,8 @@ def targets_run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
+    if a.streams_workload:
+        return streams.run(a)
     if a.overload:
         if a.out == "runs/bench.json":
             a.out = "runs/overload.json"
@@ -293,7 +301,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="throughput/latency of gateways; --compare runs direct, pdgate and sglang-router side by side")
+    p = sub.add_parser("bench", help="throughput/latency of gateways; --compare runs direct, pdgate and sglang-router "
+                       "side by side; --streams-workload: many long-lived paced streams through each",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", action="append", default=[], metavar="URL", help="an OpenAI-compatible gateway (repeatable)")
     p.add_argument("--concurrency", type=int, default=16, help="closed loop: connections")
     p.add_argument("--rate", type=float, default=0, help="open loop: requests/s (Poisson arrivals)")
@@ -304,9 +314,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--workers", choices=("sim", "fake"), default="sim",
                    help="--compare on engine.sim workers at speed 0 (default) or on zero-cost fake workers "
                         "(loadtest.fakeworker: the gateways bound throughput)")
-    p.add_argument("--duration", type=float, default=10)
+    p.add_argument("--duration", type=float, default=10, help="seconds per measurement (--streams-workload: the steady window)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--out", default="runs/bench.json")
     overload.add_flags(p)
+    streams.add_flags(p)
     p.set_defaults(func=run)

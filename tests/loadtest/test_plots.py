@@ -8,14 +8,29 @@ from typing import Any
 import matplotlib
 import pytest
 
-from loadtest import affinity, agents, bench, overload, storm
+from loadtest import affinity, agents, bench, overload, storm, streams
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 ROW = {"rps": 10.0, "target_cpu_us_per_req": 5.0, "machine_cpu_us_per_req": 9.0, "workers_cpu_us_per_req": 3.0,
        "generator_cpu_us_per_req": 1.0, "p50_added_ms": 0.5, "p99_added_ms": 1.5}
+
+
+def stream_row(n: int, target: bool, added: float) -> dict[str, Any]:
+    row: dict[str, Any] = {"streams": n, "events_per_s_offered": 10.0 * n, "machine_cpu_us_per_event": 90.0,
+                           "delay_p50_ms": 0.1 + added, "delay_p99_ms": 0.3 + added, "delay_p999_ms": 1.0 + added,
+                           "added_p50_ms": added / 2, "added_p99_ms": added, "added_p999_ms": added * 2}
+    if target:
+        row.update({"target_cpu_us_per_event": 40.0, "kb_per_stream": 12.0})
+    return row
+
+
+STREAMS = {"tokens_per_s": 10.0, "streams": [250, 500], "headline_streams": 500, "limit_ms": 10.0,
+           "results": {name: {str(n): stream_row(n, name != "direct", 0.0 if name == "direct" else n / 50)
+                              for n in (250, 500)} for name in ("direct", "pdgate", "sglang-router")}}
 CASES: dict[str, tuple[Any, Any]] = {
+    "streams": (streams.plot, STREAMS),
     "storm": (storm.plot, {"prefill_metrics": ["http://p0/metrics"], "samples": [{"t": 0, "http://p0/metrics": 1},
                                                                                  {"t": 1, "http://p0/metrics": 0}],
                            "marks": [{"t": 0.5, "event": "storm"}], "watchdog_line": 2.0, "verdict": "PASS"}),
@@ -39,8 +54,8 @@ def test_every_panel_has_axis_labels_and_a_legend(name: str, tmp_path: Path) -> 
     assert (tmp_path / f"{name}.png").stat().st_size > 5000
     figs = [plt.figure(n) for n in plt.get_fignums()]
     assert len(figs) == 1
-    if name == "bench":
-        assert len(figs[0].axes) == 4, "the machine CPU and the paced panels are drawn too"
+    if name in ("bench", "streams"):
+        assert len(figs[0].axes) == 4, "every panel is drawn"
     for ax in figs[0].axes:
         title = ax.get_title() or "?"
         assert ax.get_xlabel(), f"{name}: panel {title!r} has no x label"
