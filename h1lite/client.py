@@ -528,6 +528,7 @@ class Exchange:
 
     async def __aenter__(self) -> Response:
         self.resp = await self.client.request(self.base, self.method, self.target, self.body, headers=self.headers)
+        self.body = b""  # sent: a long stream does not keep its request body
         return self.resp
 
     async def __aexit__(self, *exc: object) -> None:

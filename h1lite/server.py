@@ -29,7 +29,6 @@ import os
 import re
 import socket
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from email.utils import formatdate
 from http import HTTPStatus
@@ -237,9 +236,10 @@ class Router:
                             "method_not_allowed")
         return handler
 
-    async def dispatch(self, req: Request) -> Response | Stream:
-        """Run the handler for ``req``: what a ``Server`` calls when routing is all it needs."""
-        return await self.resolve(req)(req)
+    def dispatch(self, req: Request) -> Awaitable[Response | Stream]:
+        """The handler's answer for ``req`` (to be awaited): what a ``Server`` calls when routing is all it needs.
+        Not a coroutine of its own: a stream that lasts minutes does not keep one more frame alive."""
+        return self.resolve(req)(req)
 
 
 async def pass_turn() -> None:
@@ -364,7 +364,7 @@ class HttpProtocol(asyncio.Protocol):
         self.on_writable: Callable[[], None] | None = None
         self.task: asyncio.Task[None] | None = None
         self.current: Request | None = None  # the request whose handler runs
-        self.queue: deque[Request] = deque()
+        self.queue: list[Request] = []  # pipelined requests: at most a read's worth (reading pauses); a deque is 600 B
         self.last_active = time.monotonic()
         self.close_after = False
         self.reading_paused = False
@@ -641,5 +641,5 @@ class HttpProtocol(asyncio.Protocol):
                     self.reading_paused = False
                     self.transport.resume_reading()
                 return
-            req = self.queue.popleft()
+            req = self.queue.pop(0)
             await pass_turn()  # pipelined answers do not hold the loop: others get a turn between them

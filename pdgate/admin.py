@@ -227,6 +227,9 @@ async def cluster(app: App, request: Request) -> Response:
     owner = app.owner
     if owner is None:
         raise NotFound("this gateway does not run its workers")
+    refresh = getattr(owner, "refresh", None)  # an owner in another process (pdgate up --workers N) is asked now
+    if refresh is not None:
+        await refresh()
     return json_response({"processes": owner.view()})
 
 

@@ -32,13 +32,18 @@ if TYPE_CHECKING:
 class Bind:
     """An attempt bound to its two workers, with the cancel scope of its decode leg."""
 
-    __slots__ = ("att", "gw", "scope", "span")
+    __slots__ = ("att", "gw", "prefill", "prefill_body", "prefill_exc", "scope", "span")
 
     def __init__(self, gw: Gateway, att: Attempt, span: Any = None) -> None:
         self.gw = gw
         self.att = att
         self.scope = Scope()
         self.span = span  # its OpenTelemetry span (None without otel)
+        # the prefill leg's task while it runs; once done, its outcome alone (a stream lasts minutes: the task
+        # object and its coroutine are let go)
+        self.prefill: asyncio.Task[bytes] | None = None
+        self.prefill_body = b""
+        self.prefill_exc: BaseException | None = None
 
     def fail(self, exc: BaseException) -> None:
         self.scope.cancel(Reason(Cause.LEG_FAILED, error=exc))
@@ -52,9 +57,26 @@ class Bind:
         self.att.event(self.gw.now(), name, info)
 
     def prefill_done(self, p_task: asyncio.Task[bytes]) -> None:
-        exc = None if p_task.cancelled() else p_task.exception()
-        if exc is not None and not self.att.first_token:
+        """The prefill task ended (its done callback; also called at the attempt's end if the task is done but
+        the callback has not run yet: the second call is a no-op)."""
+        if self.prefill is not p_task:
+            return
+        self.prefill = None
+        exc = asyncio.CancelledError() if p_task.cancelled() else p_task.exception()
+        self.prefill_exc = exc
+        if exc is None:
+            self.prefill_body = p_task.result()
+        elif not isinstance(exc, asyncio.CancelledError) and not self.att.first_token:
             self.fail(exc)
+
+    async def prefill_answer(self) -> bytes:
+        """The prefill's answer, waited for if it has not come yet."""
+        task = self.prefill
+        if task is not None:
+            return await task
+        if self.prefill_exc is not None:
+            raise self.prefill_exc
+        return self.prefill_body
 
 
 async def dispatch(ctx: Ctx) -> bytes:
@@ -122,32 +144,40 @@ async def run_attempt(ctx: Ctx, att: Attempt, bind: Bind, pw: Worker, dw: Worker
     })
     att.event(gw.now(), "sent")
     headers = leg_headers(ctx, att, bind)
-    p_task = asyncio.get_running_loop().create_task(prefill_leg(ctx, att, pw, payload, bind, headers))
+    p_task = bind.prefill = asyncio.get_running_loop().create_task(prefill_leg(ctx, att, pw, payload, bind, headers))
     p_task.add_done_callback(bind.prefill_done)
+    del p_task  # bind holds it while it runs
     gw.move(rec, Phase.PREFILL)
+    sending = [payload]  # the decode leg takes it from here: nobody holds the body once it is sent
+    del payload
     ok = False
     try:
         try:
             with bind.scope:  # a worker lost between binding and here: raises at once
-                body = await decode_leg(ctx, att, dw, payload, headers)
+                body = await decode_leg(ctx, att, dw, sending, headers)
         except Cancelled as c:
             assert isinstance(c.reason.error, UpstreamError)
             raise c.reason.error from None
         if ctx.merge_logprobs:
-            body = merge_logprobs(await p_task, body)
+            body = merge_logprobs(await bind.prefill_answer(), body)
         ok = True
         note_usage(ctx, body)
         return body
     finally:
+        task: asyncio.Task[bytes] | None = bind.prefill
+        if task is not None and task.done():
+            bind.prefill_done(task)  # its callback may not have run yet
+            task = None
         if not ok:
-            p_task.cancel()
+            if task is not None:
+                task.cancel()
             names = {e[1] for e in att.events}
             gw.abort_leg(att, pw, "prefill_done" in names)
             gw.abort_leg(att, dw, "decode_headers" in names)
-        elif not p_task.done():
-            gw.spawn(prefill_tail(gw, att, pw, p_task))
-        elif not p_task.cancelled() and p_task.exception() is not None:
-            att.event(gw.now(), "prefill_error_after_first_token", str(p_task.exception()))
+        elif task is not None:
+            gw.spawn(prefill_tail(gw, att, pw, task))
+        elif bind.prefill_exc is not None and not isinstance(bind.prefill_exc, asyncio.CancelledError):
+            att.event(gw.now(), "prefill_error_after_first_token", str(bind.prefill_exc))
 
 
 async def prefill_tail(gw: Gateway, att: Attempt, pw: Worker, p_task: asyncio.Task[bytes]) -> None:
@@ -190,11 +220,14 @@ async def prefill_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, bind: B
     gw.gate.free(counted=False)  # its slot may go to a queued request
     if not ctx.rec.stream:  # non-streaming: the prefill computed the first token; a stream's is decode's first event
         ctx.first_token(now)
-    return body
+    return body if ctx.merge_logprobs else b""  # kept (in the task) for the life of the request only if needed
 
 
-async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, headers: bytes) -> bytes:
+async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, sending: list[bytes], headers: bytes) -> bytes:
+    """The decode leg; ``sending`` holds the request body, taken out as it is sent (a stream that lasts minutes
+    does not hold it: orjson's output keeps a 4 KiB buffer whatever its length)."""
     gw, rec = ctx.gw, ctx.rec
+    payload = sending.pop()
     try:
         if not rec.stream:
             status, body = await gw.up().post_read(w.url, ctx.route, payload, headers)
@@ -208,6 +241,7 @@ async def decode_leg(ctx: Ctx, att: Attempt, w: Worker, payload: bytes, headers:
             w.success(now)
             return body
         async with gw.up().post(w.url, ctx.route, payload, headers) as resp:
+            del payload
             att.event(gw.now(), "decode_headers", resp.status)
             if resp.status != 200:
                 raise leg_status(gw, w, resp.status, await resp.read(), gw.now())

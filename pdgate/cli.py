@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import http.client
 import json
@@ -55,6 +56,12 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-format", choices=("text", "json"), help="the access log's lines (config default text)")
 
 
+def _workers_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, default=multi.default_workers(), metavar="N",
+                   help="gateway processes sharing the port (SO_REUSEPORT), under a supervisor that restarts "
+                   "one that dies; one process relays on one core (limits apply per process)")
+
+
 def _admin_flags(p: argparse.ArgumentParser) -> None:
     default = os.environ.get("PDGATE_ADMIN_URL") or os.environ.get("PDGATE_GATEWAY") or DEFAULT_ADMIN
     p.add_argument("--admin", "--gateway", dest="admin", default=default,
@@ -78,9 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-policy", choices=config.POLICIES, help="the prefill's choice (default: --policy)")
     p.add_argument("--decode-policy", choices=config.LOAD_POLICIES, help="the decode's choice (default: --policy)")
     p.add_argument("--max-attempts", type=int, help="attempts per request, 1..9 (config default 3)")
-    p.add_argument("--workers", type=int, default=multi.default_workers(), metavar="N",
-                   help="gateway processes sharing the port (SO_REUSEPORT), under a supervisor that restarts "
-                   "one that dies; one relays on one core (limits apply per process)")
+    _workers_flag(p)
+    p.add_argument("--admin-key-file", help="a file holding the admin key (in plain text), beside the config's keys")
     p = sub.add_parser("up", help="start the workers of a cluster file and the gateway in front of them",
                        formatter_class=HELP)
     _add_gateway_flags(p)
@@ -89,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "worker logs go to <its log_dir>/pdgate-<port>/")
     p.add_argument("--admin-key-file", default=str(LOCAL_ADMIN_KEY),
                    help="without an admin key in the config, the one made for the admin plane is kept here")
+    _workers_flag(p)
     p.add_argument("--allow-unsafe-kernel-profile", action="store_true",
                    help="run engine=sglang workers even with a known-bad kernel knob (see config/kernels)")
     for name, helptext in (("ps", "live requests"), ("workers", "workers: health, breaker, load, engine queues"),
@@ -135,6 +142,8 @@ def build_config(args: argparse.Namespace) -> config.GatewayConfig:
             raise config.ConfigError("--prefill", item, "takes URL and an optional BOOTSTRAP_PORT")
         prefill.append(config.parse_prefill_flag(item[0], item[1] if len(item) > 1 else None))
     decode = [config.validate_worker(config.WorkerSpec(url=u.rstrip("/"), role="decode"), "--decode") for u in args.decode]
+    if args.admin_key_file:
+        cfg = config.with_key_files(dataclasses.replace(cfg, admin_key_file=args.admin_key_file))
     return config.override(cfg, host=args.host, port=args.port, policy=args.policy, max_attempts=args.max_attempts,
                            prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                            prefill=tuple(prefill) or None, decode=tuple(decode) or None, **admin_flags(args))
@@ -165,15 +174,7 @@ async def run_serve(cfg: config.GatewayConfig) -> None:
 def serve_group(args: argparse.Namespace, argv: list[str]) -> None:
     """``pdgate serve --workers N`` (N > 1): the supervisor of N gateway processes (``pdgate.multi``)."""
     cfg = build_config(args)  # a bad config is refused once, here, not N times
-    if args.workers > 64:
-        raise config.ConfigError("--workers", args.workers, "must be 1..64")
-    if cfg.admin_socket:
-        raise config.ConfigError("--workers", args.workers, "needs the admin plane on a TCP port (admin_port) that "
-                                 "its processes share; admin_socket serves one process")
-    for flag, port in (("--port", cfg.port), ("--admin-port", cfg.admin_port)):
-        if port == 0:
-            raise config.ConfigError(flag, 0, f"must be a fixed port with --workers {args.workers} (the processes "
-                                     "share it)")
+    multi.check(cfg, args.workers)
     log.info("pdgate: %d gateway processes on http://%s:%d", args.workers, cfg.host, cfg.port)
     multi.run(argv, args.workers, cfg.drain_s)
 
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
             from pdgate.up import run_up  # the one place the gateway meets engine/
 
             uvloop.run(run_up(args.cluster, args.config, args.host, args.port, args.allow_unsafe_kernel_profile,
-                              admin_flags(args), Path(args.admin_key_file)))
+                              admin_flags(args), Path(args.admin_key_file), args.workers, args.log_level))
     except (config.ConfigError, ValueError) as exc:
         parser.exit(2, f"pdgate: {exc}\n")
 

@@ -32,6 +32,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -40,6 +41,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import orjson
+
+from h1lite.client import Client
+from h1lite.server import Request, Response, Router, Server, json_response
+from pdgate.config import ConfigError, GatewayConfig
 
 log = logging.getLogger("pdgate.multi")
 ENV_DIR, ENV_INDEX = "PDGATE_PROCESS_DIR", "PDGATE_PROCESS_INDEX"
@@ -97,6 +104,85 @@ class Group:
         return [m for m in self.members() if m.get("pid") != os.getpid()]
 
 
+OWNER_FILE = "owner.json"
+
+
+class OwnerServer:
+    """In ``pdgate up --workers N``: lets the gateway processes restart the workers this process supervises
+    (``POST /v1/workers/{id}/restart``, ``GET /v1/cluster``), on loopback, behind a token kept in the group's
+    private directory."""
+
+    def __init__(self, owner: Any, directory: Path) -> None:
+        self.owner, self.dir = owner, directory
+        self.token = secrets.token_urlsafe(24)
+        r = Router()
+        r.add("POST", "/restart", self.restart)
+        r.add("GET", "/view", self.view)
+        self.server = Server(self.checked(r), 1 << 16)
+
+    def checked(self, r: Router) -> Any:
+        async def run(req: Request) -> Any:
+            if not secrets.compare_digest(req.headers.get("authorization", ""), f"Bearer {self.token}"):
+                return json_response({"error": "not the supervisor's token"}, 403)
+            return await r.dispatch(req)
+
+        return run
+
+    async def restart(self, req: Request) -> Response:
+        url = orjson.loads(req.body or b"{}").get("url", "")
+        try:
+            return json_response(await self.owner.restart_url(str(url)))
+        except KeyError as exc:
+            return json_response({"error": str(exc)}, 404)
+
+    async def view(self, req: Request) -> Response:
+        return json_response(self.owner.view())
+
+    async def start(self) -> None:
+        await self.server.start("127.0.0.1", 0)
+        path = self.dir / OWNER_FILE
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"url": f"http://127.0.0.1:{self.server.port}", "token": self.token}, f)
+
+    async def close(self) -> None:
+        await self.server.close()
+
+
+class RemoteOwner:
+    """In a gateway process of ``pdgate up --workers N``: the supervisor of the workers, asked over loopback."""
+
+    def __init__(self, group: Group) -> None:
+        info = json.loads((group.dir / OWNER_FILE).read_text())
+        self.url, self.auth = str(info["url"]), {"authorization": f"Bearer {info['token']}"}
+        self.client = Client(connect_timeout_s=2.0, max_open=4, max_idle=2)
+        self.cached: list[dict[str, Any]] = []
+
+    async def restart_url(self, url: str) -> dict[str, Any]:
+        status, body = await self.client.fetch(self.url, "POST", "/restart", orjson.dumps({"url": url}),
+                                               headers=self.auth)
+        if status == 404:
+            raise KeyError(orjson.loads(body).get("error", url))
+        if status != 200:
+            raise OSError(f"the supervisor answered {status}")
+        return dict(orjson.loads(body))
+
+    async def refresh(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            status, body = await self.client.fetch(self.url, "GET", "/view", headers=self.auth)
+            if status == 200:
+                self.cached = list(orjson.loads(body))
+
+    def view(self) -> list[dict[str, Any]]:
+        return self.cached
+
+    @classmethod
+    def of(cls, group: Group | None) -> RemoteOwner | None:
+        if group is None or not (group.dir / OWNER_FILE).exists():
+            return None
+        return cls(group)
+
+
 class Child:
     __slots__ = ("backoff", "index", "proc", "restarts", "started")
 
@@ -111,11 +197,12 @@ class Child:
 class Supervisor:
     """Starts ``n`` gateway processes with ``argv`` (``pdgate serve`` flags), restarts the ones that die."""
 
-    def __init__(self, argv: list[str], n: int, drain_s: float) -> None:
+    def __init__(self, argv: list[str], n: int, drain_s: float, owner: Any = None) -> None:
         self.argv, self.n, self.drain_s = argv, n, drain_s
         self.dir = Path(tempfile.mkdtemp(prefix="pdgate-procs-"))  # 0700: only this user reads the records
         self.children = [Child(i) for i in range(n)]
         self.stopping = False
+        self.owner = OwnerServer(owner, self.dir) if owner is not None else None
 
     async def spawn(self, c: Child) -> None:
         env = {**os.environ, ENV_DIR: str(self.dir), ENV_INDEX: str(c.index)}
@@ -143,6 +230,17 @@ class Supervisor:
             c.restarts += 1
             await self.spawn(c)
 
+    async def ready(self, timeout_s: float = 60.0) -> bool:
+        """Whether every process announced itself (it listens) within ``timeout_s``."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if len(Group(self.dir, -1).members()) >= self.n:
+                return True
+            if any(c.proc is not None and c.proc.returncode is not None for c in self.children):
+                return False  # one died before all were up: its start fails (its own log says why)
+            await asyncio.sleep(0.1)
+        return False
+
     async def stop(self) -> None:
         self.stopping = True
         live = [c.proc for c in self.children if c.proc is not None and c.proc.returncode is None]
@@ -160,22 +258,40 @@ class Supervisor:
                 await t
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    async def run(self) -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Until SIGINT/SIGTERM (or ``stop``, when given: the caller handles the signals)."""
+        if stop is None:
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
         watchers: list[asyncio.Task[None]] = []
         try:
+            if self.owner is not None:
+                await self.owner.start()
             for c in self.children:
                 await self.spawn(c)
                 watchers.append(asyncio.create_task(self.watch(c)))
             await stop.wait()
         finally:
             await self.stop()
+            if self.owner is not None:
+                await self.owner.close()
             for t in watchers:
                 t.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)
+
+
+def check(cfg: GatewayConfig, n: int) -> None:
+    """What a group of ``n`` processes needs of the config, refused before any starts."""
+    if not 1 <= n <= 64:
+        raise ConfigError("--workers", n, "must be 1..64")
+    if cfg.admin_socket:
+        raise ConfigError("--workers", n, "needs the admin plane on a TCP port (admin_port) that its processes "
+                          "share; admin_socket serves one process")
+    for flag, port in (("--port", cfg.port), ("--admin-port", cfg.admin_port)):
+        if port == 0:
+            raise ConfigError(flag, 0, f"must be a fixed port with --workers {n} (the processes share it)")
 
 
 def without_workers_flag(argv: list[str]) -> list[str]:

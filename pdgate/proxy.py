@@ -11,6 +11,7 @@ deadline watchdog, an operator's abort, the client leaving and a drain all end i
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 from typing import Any
 
 from h1lite.server import ClientGone, Request, Response, Stream
@@ -106,9 +107,10 @@ class Watchdog:
             self.handle = None
 
 
-async def handle(gw: Gateway, request: Request, route: str) -> Response | Stream:
+def handle(gw: Gateway, request: Request, route: str) -> Awaitable[Response | Stream]:
+    """Admit the request (a refusal raises here) and return its life to be awaited (no frame of its own)."""
     rec, body = admission.admit(gw, request, route)
-    return await serve(Ctx(gw, request, rec, route, body))
+    return serve(Ctx(gw, request, rec, route, body))
 
 
 async def serve(ctx: Ctx) -> Response | Stream:

@@ -233,7 +233,7 @@ class App:
         self.cfg = cfg
         self.gw = gateway or Gateway(cfg)
         self.siblings = siblings.Siblings(self, self.group) if self.group is not None else None
-        self.owner = owner
+        self.owner = owner or multi.RemoteOwner.of(self.group)  # the workers' supervisor, maybe in the parent
         self.health_tasks: dict[str, asyncio.Task[None]] = {}
         self.reconciler = reconcile.Reconciler(self.gw)
         if self.group is not None:
@@ -309,8 +309,8 @@ class App:
             return f"unix:{self.cfg.admin_socket}"
         return f"http://{self.cfg.admin_host}:{self.admin.port}"
 
-    async def generate(self, route: str, request: Request) -> Response | Stream:
-        return await proxy.handle(self.gw, request, route)
+    def generate(self, route: str, request: Request) -> Awaitable[Response | Stream]:
+        return proxy.handle(self.gw, request, route)
 
     def start_health(self, wid: str) -> None:
         self.health_tasks[wid] = asyncio.get_running_loop().create_task(health.run(self.gw, self.gw.pool.by_id[wid]))

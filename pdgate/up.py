@@ -16,7 +16,7 @@ from typing import Any
 
 from engine.supervisor import Cluster, Supervisor, load_cluster
 from h1lite.server import unix_socket_live
-from pdgate import auth, config
+from pdgate import auth, config, multi
 from pdgate.server import build_app, serve
 
 LOCAL_ADMIN_KEY = Path(".pdgate/admin.key")  # the CLI looks here too (pdgate.cli)
@@ -111,12 +111,29 @@ def local_admin_key(cfg: config.GatewayConfig, path: Path = LOCAL_ADMIN_KEY) -> 
     return config.with_key_files(dataclasses.replace(cfg, admin_key_file=str(path))), path
 
 
+def serve_argv(cfg: config.GatewayConfig, config_path: str | None, key_file: Path | None, log_level: str,
+               log_format: str | None) -> list[str]:
+    """The ``pdgate serve`` flags of each gateway process of ``pdgate up --workers N``: the same config, the
+    workers the supervisor started, the admin key made for them."""
+    argv = ["serve", "--host", cfg.host, "--port", str(cfg.port), "--admin-host", cfg.admin_host,
+            "--admin-port", str(cfg.admin_port), "--log-level", log_level]
+    argv += ["--config", config_path] if config_path else []
+    argv += ["--admin-key-file", str(key_file)] if key_file else []
+    argv += ["--log-format", log_format] if log_format else []
+    for w in cfg.prefill:
+        argv += ["--prefill", w.url, *([str(w.bootstrap_port)] if w.bootstrap_port is not None else [])]
+    for w in cfg.decode:
+        argv += ["--decode", w.url]
+    return argv
+
+
 async def run_up(cluster_path: str, config_path: str | None, host: str | None, port: int | None,
                  allow_unsafe_kernel_profile: bool = False, admin: dict[str, Any] | None = None,
-                 admin_key_file: Path = LOCAL_ADMIN_KEY) -> None:
+                 admin_key_file: Path = LOCAL_ADMIN_KEY, workers: int = 1, log_level: str = "INFO") -> None:
     base = config.load(config_path)
     cluster = load_cluster(cluster_file(cluster_path), allow_unsafe_kernel_profile)
     planned = config.override(base, host=host, port=port, **(admin or {}))
+    multi.check(planned, workers)
     check_ports(planned, cluster)
     cluster = per_instance(cluster, planned.port)
     sup = Supervisor(cluster, base.worker_api_key)
@@ -133,19 +150,36 @@ async def run_up(cluster_path: str, config_path: str | None, host: str | None, p
             return
         await starting
         cfg, key_file = local_admin_key(gateway_config(base, sup, host, port, admin), admin_key_file)
-        app = build_app(cfg, owner=SupervisorOwner(sup))
-        runner = await serve(app, cfg.host, cfg.port)
+        group = None
+        running = None
+        if workers > 1:  # N gateway processes (pdgate.multi); this one keeps the workers and restarts them
+            group = multi.Supervisor(serve_argv(cfg, config_path, key_file, log_level, (admin or {}).get("log_format")),
+                                     workers, cfg.drain_s, owner=SupervisorOwner(sup))
+            running = asyncio.create_task(group.run(stop))
+            if not await group.ready():
+                stop.set()
+                await running
+                raise config.ConfigError("--workers", workers, "the gateway processes did not start (see above)")
+            admin_url = f"http://{cfg.admin_host}:{cfg.admin_port}"
+        else:
+            app = build_app(cfg, owner=SupervisorOwner(sup))
+            runner = await serve(app, cfg.host, cfg.port)
+            admin_url = app.admin_url
         url = f"http://{cfg.host}:{cfg.port}"
         key_note = f"key in {key_file}, where the CLI finds it" if key_file else "admin key from your config"
-        print(f"pdgate is up: {url}  ({len(cfg.prefill)} prefill + {len(cfg.decode)} decode workers; logs in "
+        procs = f"; {workers} gateway processes" if workers > 1 else ""
+        print(f"pdgate is up: {url}  ({len(cfg.prefill)} prefill + {len(cfg.decode)} decode workers{procs}; logs in "
               f"{cluster.log_dir}/)\n"
-              f"  admin plane: {app.admin_url} ({key_note})\n"
+              f"  admin plane: {admin_url} ({key_note})\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               + ("    -H 'Authorization: Bearer <a client key>' \\\n" if cfg.keys else "") +
               """    -d '{"model":"sim-model","messages":[{"role":"user","content":"say hi"}],"max_tokens":8}'\n"""
               "  pdgate ps   pdgate workers   pdgate trace <x-request-id>   pdgate top\n"
               "Ctrl-C stops the gateway and every worker.", flush=True)
-        await stop.wait()
+        if running is not None:
+            await running
+        else:
+            await stop.wait()
     finally:
         if runner is not None:
             await runner.cleanup()

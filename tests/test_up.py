@@ -231,3 +231,37 @@ def test_cli_reads_at_80_columns_and_in_a_pipe(procs: Procs, tmp_path: Path) -> 
         json.loads(run(*args))
     assert "(default: http://127.0.0.1:30002)" in run("ps", "--help").replace("\n", " ").replace("  ", " ") or \
         "default:" in run("ps", "--help")
+
+
+def test_pdgate_up_with_two_gateway_processes(procs: Procs, tmp_path: Path) -> None:
+    """`pdgate up --workers 2`: two gateway processes on one port; the admin plane answers for both, and a worker
+    restart asked of either is done by the supervisor of the workers (this process) once."""
+    port, admin_port = free_port(), free_port()
+    up = procs.spawn(up_command(tmp_path, port, admin_port, "--workers", "2"), name="pdgate-up")
+    gw, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
+    wait_http(gw + "/readiness", timeout=60, proc=up.popen)
+    assert "2 gateway processes" in up.logs()
+    key = (tmp_path / "admin.key").read_text().strip()
+    owners = set()
+    for _ in range(30):  # a new connection each: the kernel spreads them over both processes
+        status, _, headers = post(gw + "/v1/chat/completions", {"model": "sim-model", "messages": [
+            {"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert status == 200
+        owners.add(headers["x-request-id"].split("-")[1])
+        rid = headers["x-request-id"]
+        assert get(f"{admin}/v1/requests/{rid}", key)["outcome"] == "completed"
+    assert len(owners) == 2, owners
+    assert len(get(admin + "/v1/lease", key)["instances"]) == 2
+    pids = {p["name"]: p["pid"] for p in get(admin + "/v1/cluster", key)["processes"]}
+    status, body, _ = post(admin + "/v1/workers/d0/restart", key=key)
+    assert status == 200 and body["process"]["pid"] != pids["decode-0"]
+    after = {p["name"]: p["pid"] for p in get(admin + "/v1/cluster", key)["processes"]}
+    assert after["decode-0"] == body["process"]["pid"] and after["prefill-0"] == pids["prefill-0"], \
+        "restarted once, by the supervisor of the workers"
+    assert post(gw + "/v1/chat/completions", {"model": "sim-model", "messages": [
+        {"role": "user", "content": "again"}], "max_tokens": 2})[0] == 200
+    assert up.popen is not None
+    up.popen.send_signal(signal.SIGTERM)
+    assert up.popen.wait(20) == 0
+    time.sleep(0.2)
+    assert [n for n, pid in after.items() if alive(pid)] == [], "no worker may outlive pdgate up"
