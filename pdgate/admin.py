@@ -189,6 +189,7 @@ async def add_worker(app: App, request: Request) -> Response:
     except ValueError as exc:  # registered meanwhile by another call
         raise Conflict(str(exc)) from None
     app.start_health(w.id)
+    app.announce()
     await health.check(gw, w)
     resp = json_response(w.view(gw.now()), 201)
     resp.headers["x-pdgate-worker"] = w.id
@@ -206,6 +207,7 @@ async def remove_worker(app: App, request: Request) -> Response:
         task.cancel()
     if not any(o.url == w.url for o in gw.pool.by_id.values()):
         gw.up().client.drop(w.url)  # its connections go with it
+    app.announce()
     return json_response({"removed": wid, "url": w.url})
 
 

@@ -33,7 +33,7 @@ from h1lite.errors import HTTPError
 from h1lite.server import Request, Response, Router, Server, Stream, json_response
 from pdgate import access_log, admin, dashboard, health, multi, proxy, reconcile, siblings, validation
 from pdgate.auth import Admin, Tenant, bearer
-from pdgate.config import ConfigError, GatewayConfig, is_loopback, worker_hosts_allowed
+from pdgate.config import ConfigError, GatewayConfig, WorkerSpec, is_loopback, worker_hosts_allowed
 from pdgate.errors import Forbidden, RateLimited, Unauthorized, one_line
 from pdgate.gateway import Gateway
 
@@ -233,6 +233,7 @@ class App:
         self.cfg = cfg
         self.gw = gateway or Gateway(cfg)
         self.siblings = siblings.Siblings(self, self.group) if self.group is not None else None
+        self.announced = 0.0  # when this process last wrote its record file (a group's process)
         self.owner = owner or multi.RemoteOwner.of(self.group)  # the workers' supervisor, maybe in the parent
         self.health_tasks: dict[str, asyncio.Task[None]] = {}
         self.reconciler = reconcile.Reconciler(self.gw)
@@ -319,6 +320,7 @@ class App:
         raise_fd_limit()
         gw = self.gw
         await gw.start()
+        self.adopt_workers()
         await asyncio.gather(*(health.check(gw, w) for w in gw.pool.by_id.values()))
         for wid in list(gw.pool.by_id):
             self.start_health(wid)
@@ -338,13 +340,43 @@ class App:
         except ConfigError:
             await self.cleanup()  # what started before the refusal stops with it
             raise
-        if self.group is not None:
-            self.group.announce({"instance": gw.instance, "started": time.time(),
-                                 **{plane: f"http://127.0.0.1:{srv.port}" for plane, srv in self.private.items()}})
+        self.announce()
         warning = open_front_door(host, gw.tenants is not None)
         if warning:
             log.warning(warning)
         log.info("admin plane on %s (%s)", self.admin_url, "admin key required" if gw.admins else "open: loopback only")
+
+    def announce(self) -> None:
+        """A process of a group: its record file (``pdgate.multi``), with the workers it routes to, so that a
+        sibling started later (or restarted) routes to the same ones."""
+        if self.group is None:
+            return
+        self.announced = time.time()
+        self.group.announce({"instance": self.gw.instance, "changed": self.announced,
+                             "workers": [{"role": w.role, "url": w.url, "bootstrap_port": w.spec.bootstrap_port}
+                                         for w in self.gw.pool.by_id.values()],
+                             **{plane: f"http://127.0.0.1:{srv.port}" for plane, srv in self.private.items()}})
+
+    def adopt_workers(self) -> None:
+        """Before it listens, a process of a group routes to the workers its siblings route to: those registered
+        or removed on the admin plane since the config was written (the sibling that changed last knows)."""
+        if self.group is None:
+            return
+        latest = max(self.group.siblings(), key=lambda m: float(m.get("changed") or 0), default=None)
+        if latest is None or not isinstance(latest.get("workers"), list):
+            return
+        theirs = {(w["role"], w["url"]): w for w in latest["workers"]}
+        pool = self.gw.pool
+        for w in list(pool.by_id.values()):
+            if (w.role, w.url) not in theirs:
+                pool.remove(w.id, self.gw.now())
+        ours = {(w.role, w.url) for w in pool.by_id.values()}
+        for key, w in theirs.items():
+            if key not in ours:
+                try:
+                    pool.add(WorkerSpec(url=w["url"], role=w["role"], bootstrap_port=w.get("bootstrap_port")))
+                except (ValueError, KeyError, TypeError) as exc:
+                    log.warning("could not adopt the worker %s of a sibling: %s", w.get("url"), exc)
 
     async def cleanup(self) -> None:
         """Drain: stop accepting, let live requests finish for ``drain_s``, then give each one still

@@ -240,6 +240,9 @@ def test_pdgate_up_with_two_gateway_processes(procs: Procs, tmp_path: Path) -> N
     up = procs.spawn(up_command(tmp_path, port, admin_port, "--workers", "2"), name="pdgate-up")
     gw, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
     wait_http(gw + "/readiness", timeout=60, proc=up.popen)
+    end = time.monotonic() + 10
+    while "pdgate is up" not in up.logs() and time.monotonic() < end:  # once every process listens
+        time.sleep(0.1)
     assert "2 gateway processes" in up.logs()
     key = (tmp_path / "admin.key").read_text().strip()
     owners = set()

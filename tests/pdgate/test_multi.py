@@ -154,7 +154,7 @@ async def test_a_change_on_the_admin_plane_is_made_by_every_process(procs: Procs
     sup = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg), "--workers", "2"], name="group")
     admin_url = f"http://127.0.0.1:{admin}"
     wait_http(f"http://127.0.0.1:{port}/readiness", proc=sup.popen)
-    await wait_for(lambda: len(children(sup.pid)) == 2, 10, "two processes")
+    await wait_for(lambda: group_members(sup.pid), 10, "both processes announced")
     async with fresh.post(admin_url + "/v1/workers", json={"role": "decode", "url": d2.url}) as r:
         assert r.status == 201, await r.text()
         assert "x-pdgate-siblings-failed" not in r.headers
@@ -167,6 +167,14 @@ async def test_a_change_on_the_admin_plane_is_made_by_every_process(procs: Procs
     for m in await wait_for(lambda: group_members(sup.pid), 5, "record files"):
         async with fresh.get(m["admin"] + "/v1/workers", headers={siblings.LOCAL: "1"}) as r:
             assert d2.url in {w["url"] for w in (await r.json())["workers"]}
+    # a process started after the change (here: restarted) routes to the worker too, though its config lacks it
+    victim = sorted(children(sup.pid))[0]
+    os.kill(victim, signal.SIGKILL)
+    members = await wait_for(lambda: [m for m in group_members(sup.pid) if m["pid"] != victim] if len(
+        [m for m in group_members(sup.pid) if m["pid"] != victim]) == 2 else None, 15, "restarted and announced")
+    for m in members:
+        async with fresh.get(m["admin"] + "/v1/workers", headers={siblings.LOCAL: "1"}) as r:
+            assert d2.url in {w["url"] for w in (await r.json())["workers"]}, m
 
 
 def group_members(pid: int) -> list[dict[str, Any]]:
