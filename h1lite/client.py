@@ -99,9 +99,12 @@ class Response:
 
     def _flush(self) -> None:
         """Hand what arrived in one read to the sink, at once (called at the end of ``data_received``)."""
-        if self._sink is not None and self._chunks and self._exc is None:
+        chunks = self._chunks
+        if self._sink is not None and chunks and self._exc is None:
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # _take, inlined: once a token
+            chunks.clear()
             try:
-                self._sink(self._take())
+                self._sink(data)
             except Exception as exc:  # the sink's own error (client gone, error event) ends the exchange
                 self._exc = exc
                 self.complete = True

@@ -122,10 +122,11 @@ class Stream:
 
     def send(self, data: bytes) -> None:
         """Write without waiting; the caller checks ``blocked`` (and ``on_writable``) for back-pressure."""
-        if self.proto.closed:
+        proto = self.proto
+        if proto.closed:
             raise ClientGone("client closed the connection")
-        if data and not self.headless:
-            self.proto.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        if data and not self.headless and proto.transport is not None:  # HttpProtocol.write, inlined: once a token
+            proto.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
 
     @property
     def blocked(self) -> bool:

@@ -21,6 +21,9 @@ from typing import TYPE_CHECKING
 
 from h1lite.client import Response as UpstreamResponse
 from pdgate.errors import UpstreamError, UpstreamStatus, detail_of
+from pdgate.workers import State
+
+DEGRADED = State.DEGRADED
 
 if TYPE_CHECKING:
     from pdgate.proxy import Ctx
@@ -81,11 +84,14 @@ class Framer:
                 self.error = errors > 0
                 self.tokens = chunk.count(sep) - errors - 1
                 return chunk
-        errors = self._errors(chunk)
-        if errors:
-            self.first_error = first and chunk.startswith(ERROR)
-            self.error = True
-        self.tokens = chunk.count(sep) - errors
+        if ERROR in chunk:
+            errors = self._errors(chunk)
+            if errors:
+                self.first_error = first and chunk.startswith(ERROR)
+                self.error = True
+            self.tokens = chunk.count(sep) - errors
+        else:
+            self.tokens = chunk.count(sep)
         return chunk
 
     def _errors(self, chunk: bytes) -> int:
@@ -113,11 +119,12 @@ class Framer:
 
 
 class Relay:
-    __slots__ = ("att", "ctx", "framer", "upstream", "w")
+    __slots__ = ("att", "clock", "ctx", "framer", "upstream", "w")
 
     def __init__(self, ctx: Ctx, att: Attempt, w: Worker, upstream: UpstreamResponse) -> None:
         self.ctx, self.att, self.w, self.upstream = ctx, att, w, upstream
         self.framer = Framer()
+        self.clock = ctx.gw.clock  # the gateway's clock, one call per read (Gateway.now would be two)
 
     def feed(self, chunk: bytes) -> None:
         fr = self.framer
@@ -125,7 +132,7 @@ class Relay:
         if not events:
             return
         ctx, w = self.ctx, self.w
-        now = ctx.gw.now()
+        now = self.clock()
         out = ctx.resp
         if out is None:
             if fr.first_error:  # failed before anything reached the client: retryable
@@ -141,7 +148,9 @@ class Relay:
             rec = ctx.rec
             rec.chunks += fr.tokens
             rec.last_token_at = now
-        w.progress(now)
+        w.last_progress = now  # Worker.progress, inlined for the one case of every read
+        if w.state is DEGRADED:
+            w.progress(now)
         out.send(events)
         if out.blocked:  # back-pressure: stop reading the decode until the client takes more
             self.upstream.pause()
