@@ -27,6 +27,7 @@ import argparse
 import itertools
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -109,7 +110,8 @@ def wait_quiet(pids: list[int], within: float = 15.0, step: float = 0.5) -> bool
 def capacity(points: list[tuple[float, float | None]], limit_ms: float = 10.0) -> dict[str, Any]:
     """The events/s at which the added p99 passes ``limit_ms``, interpolated linearly between the sweep's
     points ``(events/s, added p99 ms)``: ``events_per_s`` (None when not bracketed) and a ``label``
-    (the number, ``"> max"`` when never passed, ``"< min"`` when passed at the first point)."""
+    (the number, ``"> max"`` when never passed, ``"< min"`` when passed at the first point). A point whose delay
+    is ``inf`` is one where the target fell behind (``kept_up``)."""
     pts = sorted((x, y) for x, y in points if y is not None)
     if not pts:
         return {"events_per_s": None, "label": "-"}
@@ -117,6 +119,8 @@ def capacity(points: list[tuple[float, float | None]], limit_ms: float = 10.0) -
         return {"events_per_s": None, "label": f"< {pts[0][0]:.0f}"}
     for (x0, y0), (x1, y1) in itertools.pairwise(pts):
         if y0 <= limit_ms < y1:
+            if math.isinf(y1):  # it fell behind at x1 (``kept_up``): no delay to interpolate, x0 is what it held
+                return {"events_per_s": round(x0, 1), "label": f">= {x0:.0f} (behind at {x1:.0f})"}
             x = x0 + (limit_ms - y0) * (x1 - x0) / (y1 - y0)
             return {"events_per_s": round(x, 1), "label": f"{x:.0f}"}
     return {"events_per_s": None, "label": f"> {pts[-1][0]:.0f}"}
@@ -289,6 +293,31 @@ def measure(a: argparse.Namespace, eng: dict[str, Any], urls: list[str], proc: P
     return res
 
 
+def medians(runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """Per target and N, the median over repeats of every number (the first run's other fields)."""
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for name, by_n in runs.items():
+        for n, ms in by_n.items():
+            m = dict(ms[0])
+            for k, v in ms[0].items():
+                vals = [r.get(k) for r in ms]
+                nums = [float(x) for x in vals if isinstance(x, (int, float)) and not isinstance(x, bool)]
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and len(nums) == len(ms):
+                    m[k] = statistics.median(nums)
+            m["kept_up"] = sum(1 for r in ms if kept_up(r)) * 2 > len(ms)  # in most of the repeats
+            out.setdefault(name, {})[n] = m
+    return out
+
+
+def kept_up(m: dict[str, Any]) -> bool:
+    """Whether the target relayed what was offered: every stream live through the window, no error, and at
+    least 95% of the offered events/s. A target that fell behind is past its capacity, whatever its delay says
+    (the delays of the events it did relay)."""
+    n = int(m.get("streams") or 0)
+    return (not m.get("errors") and m.get("live_at_window_start") == n and m.get("live_at_window_end") == n
+            and float(m.get("window_events_per_s") or 0) >= 0.95 * float(m.get("events_per_s_offered") or 0))
+
+
 def summarize(results: dict[str, dict[str, dict[str, Any]]], limit_ms: float) -> dict[str, dict[str, Any]]:
     """Delay added over direct at the same N, per percentile, and each gateway's relay capacity."""
     direct = results.get("direct", {})
@@ -303,7 +332,8 @@ def summarize(results: dict[str, dict[str, dict[str, Any]]], limit_ms: float) ->
                 else:
                     m[added] = None
         if name != "direct":
-            caps[name] = capacity([(m["events_per_s_offered"], m.get("added_p99_ms")) for m in by_n.values()], limit_ms)
+            caps[name] = capacity([(m["events_per_s_offered"], m.get("added_p99_ms") if m.get("kept_up", True)
+                                    else math.inf) for m in by_n.values()], limit_ms)
     return caps
 
 
@@ -322,7 +352,7 @@ def print_table(console: Console, out: dict[str, Any]) -> None:
     for n, name, m in rows:
         added = ["-"] * 3 if name == "direct" else [f(m[f"added_{k}_ms"], "+.2f") for k in ("p50", "p99", "p999")]
         d.add_row(str(n), name, f(m["delay_p50_ms"]), f(m["delay_p99_ms"]), f(m["delay_p999_ms"]), *added,
-                  str(m["errors"]))
+                  str(m["errors"]) + ("" if m.get("kept_up", True) else " behind"))
     console.print(d)
     c = Table(title="CPU µs per relayed event: the target, engines, load generator, all; others: cores "
                     "busy outside the run; the target's idle RSS and KB per live stream", box=box.SIMPLE_HEAD, collapse_padding=True, pad_edge=False)
@@ -421,52 +451,55 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     a.tmp = Path(tempfile.mkdtemp(prefix="pdgate-streams-"))
     stack = Stack(a.tmp)
     results: dict[str, dict[str, dict[str, Any]]] = {}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}  # every repeat (--repeats), medians in results
     skipped: dict[str, str] = {}
     try:
         eng = start_engines(stack, a)
         with Progress(console=console) as bar:
-            job: TaskID = bar.add_task("streams", total=len(a.streams) * len(names))
-            for n in a.streams:
-                for name in names:
-                    if name in skipped:
+            job: TaskID = bar.add_task("streams", total=len(a.streams) * len(names) * a.repeats)
+            for n, rep, name in ((n, rep, name) for n in a.streams for rep in range(a.repeats) for name in names):
+                if name in skipped:
+                    bar.advance(job)
+                    continue
+                desc = f"{n} streams, {name}" + (f" #{rep + 1}" if a.repeats > 1 else "")
+                bar.update(job, description=f"{desc}: starting")
+                proc: Proc | None = None
+                if name == "direct":
+                    urls = eng["decodes"]
+                else:
+                    try:
+                        url, proc = start_target(stack, name, eng)
+                    except RuntimeError as exc:  # it exited at start (or never answered): the rest goes on
+                        skipped[name] = str(exc)
+                        console.print(f"[yellow]skipping {name}[/]: {skipped[name]}")
                         bar.advance(job)
                         continue
-                    desc = f"{n} streams, {name}"
-                    bar.update(job, description=f"{desc}: starting")
-                    proc: Proc | None = None
-                    if name == "direct":
-                        urls = eng["decodes"]
-                    else:
-                        try:
-                            url, proc = start_target(stack, name, eng)
-                        except RuntimeError as exc:  # it exited at start (or never answered): the rest goes on
-                            skipped[name] = str(exc)
-                            console.print(f"[yellow]skipping {name}[/]: {skipped[name]}")
-                            bar.advance(job)
-                            continue
-                        urls = [url]
+                    urls = [url]
 
-                    def phase(kind: str, desc: str = desc) -> None:
-                        bar.update(job, description=f"{desc}: {kind.replace('_', ' ')}")
+                def phase(kind: str, desc: str = desc) -> None:
+                    bar.update(job, description=f"{desc}: {kind.replace('_', ' ')}")
 
-                    try:
-                        m = results.setdefault(name, {})[str(n)] = measure(a, eng, urls, proc, n, phase)
-                    finally:
-                        if proc is not None:
-                            stack.stop(proc)
-                    if m["errors"] or m["live_at_window_end"] != n:
-                        console.print(f"[yellow]{desc}[/]: {m['errors']} streams failed {m['error_kinds']}, "
-                                      f"{m['live_at_window_end']} live at the window's end")
-                    bar.update(job, description=f"{desc}: waiting for the engines to be idle")
-                    wait_quiet(eng["pids"])
-                    bar.advance(job)
+                try:
+                    m = measure(a, eng, urls, proc, n, phase)
+                    runs.setdefault(name, {}).setdefault(str(n), []).append(m)
+                finally:
+                    if proc is not None:
+                        stack.stop(proc)
+                if m["errors"] or m["live_at_window_end"] != n:
+                    console.print(f"[yellow]{desc}[/]: {m['errors']} streams failed {m['error_kinds']}, "
+                                  f"{m['live_at_window_end']} live at the window's end")
+                bar.update(job, description=f"{desc}: waiting for the engines to be idle")
+                wait_quiet(eng["pids"])
+                bar.advance(job)
     finally:
         stack.close()
+    results.update(medians(runs))
     caps = summarize(results, a.limit_ms)
     out = {"command": " ".join(sys.argv), "tokens_per_s": a.tokens_per_s, "duration_s": a.duration,
            "decodes": a.decodes, "streams": a.streams, "headline_streams": a.headline or max(a.streams),
            "limit_ms": a.limit_ms, "cores": os.cpu_count(), "targets": [n for n in names if n in results],
-           "skipped": skipped, "logs": str(a.tmp), "results": results, "capacity": caps}
+           "skipped": skipped, "logs": str(a.tmp), "repeats": a.repeats, "results": results, "capacity": caps,
+           "raw": runs}
     print_table(console, out)
     write(out, a.out, plot)
     console.print(f"wrote {a.out} and {Path(a.out).with_suffix('.png')}")

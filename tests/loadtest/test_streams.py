@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import re
 import socket
@@ -31,6 +32,20 @@ def test_capacity_interpolates_where_the_added_p99_passes_the_limit() -> None:
     assert streams.capacity([(2500, 11.0), (5000, 20.0)], 10.0) == {"events_per_s": None, "label": "< 2500"}
     assert streams.capacity([(2500, None), (5000, 2.0), (10000, 22.0)], 10.0)["events_per_s"] == 7000.0
     assert streams.capacity([], 10.0)["events_per_s"] is None
+    behind = streams.capacity([(10000, 1.0), (20000, 3.0), (30000, math.inf)], 10.0)
+    assert behind == {"events_per_s": 20000.0, "label": ">= 20000 (behind at 30000)"}
+
+
+def test_a_target_that_fell_behind_is_past_its_capacity_and_repeats_give_medians() -> None:
+    ok = {"streams": 100, "errors": 0, "live_at_window_start": 100, "live_at_window_end": 100,
+          "window_events_per_s": 999.0, "events_per_s_offered": 1000.0, "delay_p99_ms": 1.0}
+    assert streams.kept_up(ok)
+    assert not streams.kept_up({**ok, "live_at_window_start": 80}), "streams that started late"
+    assert not streams.kept_up({**ok, "window_events_per_s": 900.0}), "fewer events than offered"
+    assert not streams.kept_up({**ok, "errors": 1})
+    runs = {"pdgate": {"100": [ok, {**ok, "delay_p99_ms": 5.0}, {**ok, "delay_p99_ms": 3.0, "errors": 2}]}}
+    m = streams.medians(runs)["pdgate"]["100"]
+    assert m["delay_p99_ms"] == 3.0 and m["errors"] == 0 and m["kept_up"], "medians over the repeats"
 
 
 def test_histogram_percentiles() -> None:
