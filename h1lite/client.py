@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import re
 import select
-import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -213,10 +212,10 @@ class Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # TCP_NODELAY is already set by the loop on every TCP transport (uvloop's TCPTransport.new, asyncio's
+        # _SelectorSocketTransport since 3.6); asking for the socket here would cost uvloop five syscalls and an
+        # object per connection
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
         try:

@@ -29,6 +29,7 @@ import os
 import re
 import socket
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from email.utils import formatdate
 from http import HTTPStatus
@@ -365,7 +366,7 @@ class HttpProtocol(asyncio.Protocol):
         self.on_writable: Callable[[], None] | None = None
         self.task: asyncio.Task[None] | None = None
         self.current: Request | None = None  # the request whose handler runs
-        self.queue: list[Request] = []  # pipelined requests: at most a read's worth (reading pauses); a deque is 600 B
+        self.queue: deque[Request] | None = None  # pipelined requests, made on the first (an empty deque is 600 B)
         self.last_active = time.monotonic()
         self.close_after = False
         self.reading_paused = False
@@ -384,10 +385,8 @@ class HttpProtocol(asyncio.Protocol):
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # TCP_NODELAY: set by the loop itself on every TCP transport (see h1lite.client's connection_made)
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports do not subclass asyncio's
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family != socket.AF_UNIX:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.server.conns.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -537,6 +536,8 @@ class HttpProtocol(asyncio.Protocol):
             self.task = self.loop.create_task(self.handle(req))
             return
         # pipelined: answered in order, and nothing more is read meanwhile (what one read brought is bounded)
+        if self.queue is None:
+            self.queue = deque()
         self.queue.append(req)
         if self.transport is not None and not self.reading_paused:
             self.reading_paused = True
@@ -642,5 +643,5 @@ class HttpProtocol(asyncio.Protocol):
                     self.reading_paused = False
                     self.transport.resume_reading()
                 return
-            req = self.queue.pop(0)
+            req = self.queue.popleft()
             await pass_turn()  # pipelined answers do not hold the loop: others get a turn between them

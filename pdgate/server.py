@@ -353,8 +353,10 @@ class App:
             return
         self.announced = time.time()
         self.group.announce({"instance": self.gw.instance, "changed": self.announced,
-                             "workers": [{"role": w.role, "url": w.url, "bootstrap_port": w.spec.bootstrap_port}
+                             "workers": [{"id": w.id, "role": w.role, "url": w.url,
+                                          "bootstrap_port": w.spec.bootstrap_port}
                                          for w in self.gw.pool.by_id.values()],
+                             "next_ids": self.gw.pool.next_ids,
                              **{plane: f"http://127.0.0.1:{srv.port}" for plane, srv in self.private.items()}})
 
     def adopt_workers(self) -> None:
@@ -365,18 +367,21 @@ class App:
         latest = max(self.group.siblings(), key=lambda m: float(m.get("changed") or 0), default=None)
         if latest is None or not isinstance(latest.get("workers"), list):
             return
-        theirs = {(w["role"], w["url"]): w for w in latest["workers"]}
+        theirs = {(w.get("role"), w.get("url"), w.get("id")): w for w in latest["workers"] if isinstance(w, dict)}
         pool = self.gw.pool
-        for w in list(pool.by_id.values()):
-            if (w.role, w.url) not in theirs:
+        for w in list(pool.by_id.values()):  # the same workers under the same ids: an id means one worker in all
+            if (w.role, w.url, w.id) not in theirs:
                 pool.remove(w.id, self.gw.now())
-        ours = {(w.role, w.url) for w in pool.by_id.values()}
-        for key, w in theirs.items():
+        ours = {(w.role, w.url, w.id) for w in pool.by_id.values()}
+        for key, rec in theirs.items():
             if key not in ours:
                 try:
-                    pool.add(WorkerSpec(url=w["url"], role=w["role"], bootstrap_port=w.get("bootstrap_port")))
+                    pool.add(WorkerSpec(url=rec["url"], role=rec["role"], bootstrap_port=rec.get("bootstrap_port")),
+                             rec["id"])
                 except (ValueError, KeyError, TypeError) as exc:
-                    log.warning("could not adopt the worker %s of a sibling: %s", w.get("url"), exc)
+                    log.warning("could not adopt the worker %s of a sibling: %s", rec.get("url"), exc)
+        if isinstance(latest.get("next_ids"), dict):
+            pool.continue_ids(latest["next_ids"])
 
     async def cleanup(self) -> None:
         """Drain: stop accepting, let live requests finish for ``drain_s``, then give each one still

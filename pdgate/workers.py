@@ -259,18 +259,34 @@ class Pool:
         self.by_id: dict[str, Worker] = {}
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
-        self._seq = {"prefill": 0, "decode": 0}
+        self._seq = {"prefill": 0, "decode": 0}  # the next id's number, by role
 
-    def add(self, spec: WorkerSpec) -> Worker:
+    def add(self, spec: WorkerSpec, wid: str | None = None) -> Worker:
+        """Register ``spec`` under the next id of its role, or under ``wid`` (a sibling process's id for it:
+        ``pdgate.multi``), after which the role's ids go on from there."""
         for w in self.by_id.values():
             if w.url == spec.url and w.role == spec.role:
                 raise ValueError(f"{spec.role} worker {spec.url} is already registered as {w.id}")
-        wid = f"{spec.role[0]}{self._seq[spec.role]}"
-        self._seq[spec.role] += 1
+        if wid is None:
+            wid = f"{spec.role[0]}{self._seq[spec.role]}"
+        elif wid in self.by_id or not (wid[:1] == spec.role[0] and wid[1:].isdigit()):
+            raise ValueError(f"worker id {wid!r} is taken or not a {spec.role} id")
+        self._seq[spec.role] = max(self._seq[spec.role], int(wid[1:]) + 1)
         w = Worker(wid, spec, CircuitBreaker(self._breaker), self.observers, configured_capacity=self._capacity)
         self.by_id[wid] = w
         getattr(self, spec.role).append(w)
         return w
+
+    @property
+    def next_ids(self) -> dict[str, int]:
+        """The number of each role's next id."""
+        return dict(self._seq)
+
+    def continue_ids(self, next_ids: dict[str, int]) -> None:
+        """Go on from another pool's ids (a sibling process's), so that both name the next worker alike."""
+        for role, n in next_ids.items():
+            if role in self._seq and isinstance(n, int):
+                self._seq[role] = max(self._seq[role], n)
 
     def remove(self, wid: str, now: float) -> Worker:
         w = self.by_id.pop(wid)

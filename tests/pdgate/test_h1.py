@@ -448,3 +448,37 @@ async def test_relay_stops_reading_the_decode_for_a_client_that_does_not_read(
             assert rec.chunks == 200_000 and buffered > 10 << 20, (rec.chunks, buffered)
     finally:
         w.close()
+
+
+@pytest.mark.parametrize("use_uvloop", [True, False])
+def test_tcp_nodelay_is_on_for_both_sides_without_asking(use_uvloop: bool) -> None:
+    """h1lite does not set TCP_NODELAY itself (asking uvloop for the socket costs syscalls and an object per
+    connection): the loop does, on every TCP transport. A token written alone must not wait for Nagle."""
+    import socket
+
+    import uvloop
+
+    async def main() -> tuple[int, int]:
+        server = Server(Router().dispatch, 1 << 16)
+        await server.start("127.0.0.1", 0)
+        client = Client(connect_timeout_s=1.0)
+        try:
+            status, _ = await client.fetch(f"http://127.0.0.1:{server.port}", "GET", "/nothing")
+            assert status == 404
+            pool = next(iter(client.pools.values()))[0]
+            conn = next(iter(pool.all))
+            assert conn.transport is not None
+            ours = conn.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            proto = next(iter(server.conns))
+            assert proto.transport is not None
+            theirs = proto.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+            return ours, theirs
+        finally:
+            client.close()
+            await server.close()
+
+    if use_uvloop:
+        got = uvloop.run(main())
+    else:
+        got = asyncio.run(main())
+    assert got[0] and got[1], f"TCP_NODELAY (client, server): {got}"

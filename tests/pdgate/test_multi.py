@@ -172,9 +172,17 @@ async def test_a_change_on_the_admin_plane_is_made_by_every_process(procs: Procs
     os.kill(victim, signal.SIGKILL)
     members = await wait_for(lambda: [m for m in group_members(sup.pid) if m["pid"] != victim] if len(
         [m for m in group_members(sup.pid) if m["pid"] != victim]) == 2 else None, 15, "restarted and announced")
+    views = []
     for m in members:
         async with fresh.get(m["admin"] + "/v1/workers", headers={siblings.LOCAL: "1"}) as r:
-            assert d2.url in {w["url"] for w in (await r.json())["workers"]}, m
+            views.append({w["url"]: w["id"] for w in (await r.json())["workers"]})
+    assert d2.url in views[0] and views[0] == views[1], f"the same workers under the same ids: {views}"
+    # so a removal made by every process names the same worker in each
+    async with fresh.delete(f"{admin_url}/v1/workers/{views[0][d2.url]}") as r:
+        assert r.status == 200 and "x-pdgate-siblings-failed" not in r.headers, await r.text()
+    for m in members:
+        async with fresh.get(m["admin"] + "/v1/workers", headers={siblings.LOCAL: "1"}) as r:
+            assert d2.url not in {w["url"] for w in (await r.json())["workers"]}
 
 
 def group_members(pid: int) -> list[dict[str, Any]]:
@@ -228,3 +236,20 @@ def test_a_siblings_instance_never_lapses_and_without_its_record_it_would(tmp_pa
         asyncio.run(r.refresh_leases())
     assert not on.lapsed("bb")
     assert off.lapsed("bb"), "without the siblings' records the sibling's rids would be aborted"
+
+
+def test_a_pool_takes_a_siblings_ids_and_goes_on_from_them() -> None:
+    from pdgate.config import BreakerConfig, WorkerSpec
+    from pdgate.workers import Pool
+
+    pool = Pool(BreakerConfig())
+    assert pool.add(WorkerSpec(url="http://127.0.0.1:1", role="decode")).id == "d0"
+    assert pool.add(WorkerSpec(url="http://127.0.0.1:2", role="decode"), "d5").id == "d5"
+    assert pool.add(WorkerSpec(url="http://127.0.0.1:3", role="decode")).id == "d6"
+    with pytest.raises(ValueError):
+        pool.add(WorkerSpec(url="http://127.0.0.1:4", role="decode"), "d5")
+    with pytest.raises(ValueError):
+        pool.add(WorkerSpec(url="http://127.0.0.1:4", role="decode"), "p9")
+    pool.continue_ids({"decode": 9, "prefill": 2})
+    assert pool.next_ids == {"decode": 9, "prefill": 2}
+    assert pool.add(WorkerSpec(url="http://127.0.0.1:5", role="prefill", bootstrap_port=9)).id == "p2"
