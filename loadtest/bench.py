@@ -40,7 +40,7 @@ from rich.table import Table
 
 from loadtest import overload, streams
 from loadtest.output import pyplot, write
-from loadtest.procs import Proc, cpu_seconds, free_port, require_router, wait_http
+from loadtest.procs import Proc, Stack, cpu_seconds, free_port, require_router, wait_http
 
 PING = b'{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}'
 CORES = os.cpu_count() or 1
@@ -57,23 +57,6 @@ def is_paced(workload: str) -> bool:
 def gen(args: list[str]) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-m", "loadtest.gen", *args], capture_output=True, text=True, check=True)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
-
-
-class Stack:
-    """The processes of one --compare run; all stopped at the end, by PID."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.procs: list[Proc] = []
-
-    def spawn(self, name: str, args: list[str]) -> Proc:
-        p = Proc(args, {}, self.tmp / f"{name}.log").start()
-        self.procs.append(p)
-        return p
-
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
 
 
 def start_targets(stack: Stack, mini_lb: bool, fake: bool = False) -> tuple[dict[str, Any],

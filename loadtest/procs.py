@@ -70,8 +70,8 @@ def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | N
     raise TimeoutError(f"{url} did not answer 200 within {timeout}s")
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of ``pid`` and all its descendants (from /proc)."""
+def tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (from /proc)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -79,17 +79,24 @@ def cpu_seconds(pid: int) -> float:
                 stat = Path(f"/proc/{entry}/stat").read_text()
             except OSError:
                 continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0.0, [pid]
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    out, todo = [], [pid]
     while todo:
         p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of ``pid`` and all its descendants (from /proc)."""
+    total = 0.0
+    for p in tree(pid):
         try:
             fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
         total += (int(fields[11]) + int(fields[12])) / _TICK
-        todo.extend(children.get(p, []))
     return total
 
 
@@ -127,6 +134,30 @@ class Proc:
 
     def logs(self) -> str:
         return self.log.read_text(errors="replace")
+
+
+class Stack:
+    """The processes of one benchmark run; all stopped at the end, by PID (also on failure)."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[Proc] = []
+
+    def spawn(self, name: str, args: list[str]) -> Proc:
+        p = Proc(args, {}, self.tmp / f"{name}.log").start()
+        self.procs.append(p)
+        return p
+
+    def stop(self, p: Proc) -> None:
+        """Stop one of them now (the rest at ``close``)."""
+        p.stop()
+        if p in self.procs:
+            self.procs.remove(p)
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
+        self.procs.clear()
 
 
 ROUTER_MISSING = ("sglang-router is not installed here, and this comparison runs it: "

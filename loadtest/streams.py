@@ -7,7 +7,8 @@ the fake decode needs no prefill leg), pdgate (and ``pdgate-wK`` for each ``--pd
 ``pdgate serve --workers K``) and sglang-router PD. Each gateway is started afresh for each N (its idle
 memory is then its own) and stopped after it.
 
-Per (target, N): the N streams start evenly over ``--ramp-s`` (default max(1, N/1000) s), each asking
+Per (target, N): the N streams start evenly over ``--ramp-s`` (default max(1, N/500) s: 500 new streams a
+second, so the steady window measures the relay rather than a burst of connections), each asking
 ``R * (ramp + duration + margin)`` tokens; the steady window opens once every stream has its first event
 and lasts ``--duration`` s. The load generator (``loadtest.streamclient``, its own process) records every
 event's relay delay (receive time - the engine's stamp, both CLOCK_MONOTONIC) in the window. Reported:
@@ -43,31 +44,14 @@ from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from loadtest.output import pyplot, write
-from loadtest.procs import Proc, cpu_seconds, free_port, require_router, wait_http, worker_tables
+from loadtest.procs import Proc, Stack, cpu_seconds, free_port, require_router, tree, wait_http, worker_tables
 from loadtest.streamclient import raise_nofile
 
+RAMP_PER_S = 500  # new streams a second, by default
 PING = b'{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}'
 QUIET_SHARE = 0.05  # a process tree using less of a core than this is idle
 TICK = os.sysconf("SC_CLK_TCK")
 PCTS = (("p50", "delay_p50_ms"), ("p99", "delay_p99_ms"), ("p99.9", "delay_p999_ms"))
-
-
-def tree(pid: int) -> list[int]:
-    """``pid`` and all its descendants (from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
 
 
 def rss_kb(pid: int) -> int:
@@ -124,29 +108,6 @@ def capacity(points: list[tuple[float, float | None]], limit_ms: float = 10.0) -
             x = x0 + (limit_ms - y0) * (x1 - x0) / (y1 - y0)
             return {"events_per_s": round(x, 1), "label": f"{x:.0f}"}
     return {"events_per_s": None, "label": f"> {pts[-1][0]:.0f}"}
-
-
-class Stack:
-    """Every process of the run, stopped at the end by PID (also on failure)."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.procs: list[Proc] = []
-
-    def spawn(self, name: str, args: list[str]) -> Proc:
-        p = Proc(args, {}, self.tmp / f"{name}.log").start()
-        self.procs.append(p)
-        return p
-
-    def stop(self, p: Proc) -> None:
-        p.stop()
-        if p in self.procs:
-            self.procs.remove(p)
-
-    def close(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
-        self.procs.clear()
 
 
 def start_engines(stack: Stack, a: argparse.Namespace) -> dict[str, Any]:
@@ -221,7 +182,7 @@ def measure(a: argparse.Namespace, eng: dict[str, Any], urls: list[str], proc: P
             on_phase: Any = None) -> dict[str, Any]:
     """One (target, N): idle RSS, the streams, CPU over the window, live RSS mid-window."""
     rate = a.tokens_per_s
-    ramp = a.ramp_s if a.ramp_s is not None else max(1.0, n / 1000)
+    ramp = a.ramp_s if a.ramp_s is not None else max(1.0, n / RAMP_PER_S)
     margin = max(a.margin_s, 3.0 / rate)
     max_tokens = math.ceil(rate * (ramp + a.duration + margin))
     quiet = wait_quiet([proc.pid]) if proc is not None else True
@@ -516,7 +477,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decodes", type=int, default=2, help="--streams-workload: fake decode engines")
     p.add_argument("--ramp-s", type=float, default=None,
                    help="--streams-workload: the streams start evenly over this long (default max(1, N/1000) s)")
-    p.add_argument("--margin-s", type=float, default=1.0,
+    p.add_argument("--margin-s", type=float, default=3.0,
                    help="--streams-workload: each stream lasts ramp + duration + this (tokens asked: rate x that)")
     p.add_argument("--headline", type=int, default=None,
                    help="--streams-workload: the N of the bar panel (default the largest)")
