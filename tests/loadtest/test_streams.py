@@ -215,7 +215,7 @@ def test_a_small_streams_run_through_direct_and_pdgate(tmp_path: Path, monkeypat
         return real(name, eng, port, cfg)
 
     monkeypatch.setattr(streams, "gateway_args", args)
-    a = streams_args(tmp_path, "--streams", "40", "--duration", "1.5", "--ramp-s", "0.5", "--streams-targets", "pdgate",
+    a = streams_args(tmp_path, "--streams", "40", "--duration", "1.5", "--ramp-s", "0.5", "--margin-s", "1", "--streams-targets", "pdgate",
                      "--pdgate-workers", "1", "2")
     out = streams.run(a)
     assert (tmp_path / "streams.png").stat().st_size > 5000
