@@ -370,7 +370,8 @@ def plot(out: dict[str, Any], path: Path) -> None:
     delay_ax.axhline(limit, color="gray", ls="--", lw=1, label=f"{limit:g} ms limit")
     delay_ax.set_title("relay delay added over direct at the same N", fontsize=9)
     delay_ax.set_xlabel("events/s (streams x tokens/s)")
-    delay_ax.set_ylabel("delay added over direct (ms)")
+    delay_ax.set_ylabel("delay added over direct (ms, log above 1)")
+    delay_ax.set_yscale("symlog", linthresh=1.0)  # sub-ms and seconds on one axis
 
     for name in gws:
         mem_ax.plot(*series(name, "kb_per_stream", "streams"), "o-", color=f"C{names.index(name)}", label=name)
