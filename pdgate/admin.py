@@ -184,9 +184,10 @@ async def add_worker(app: App, request: Request) -> Response:
         await asyncio.sleep(max(0.0, timeout - (time.monotonic() - started)))  # as long as the slowest failure
         raise WorkerUnreachable(f"the {spec.role} worker at {spec.url} did not answer GET /health and /server_info "
                                 f"as an SGLang {spec.role} worker within {timeout:g}s; nothing was registered")
+    wid = request.headers.get("x-pdgate-worker-id") if "x-pdgate-local" in request.headers else None
     try:
-        w = gw.pool.add(spec)
-    except ValueError as exc:  # registered meanwhile by another call
+        w = gw.pool.add(spec, wid)  # a sibling's registration comes with the id it got there (pdgate.siblings)
+    except ValueError as exc:  # registered meanwhile by another call, or that id names another worker here
         raise Conflict(str(exc)) from None
     app.start_health(w.id)
     app.announce()

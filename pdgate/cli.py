@@ -155,7 +155,6 @@ def admin_flags(args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def run_serve(cfg: config.GatewayConfig) -> None:
-    parent = os.getppid()
     runner = await serve(build_app(cfg), cfg.host, cfg.port)
     log.info("pdgate listening on http://%s:%d (%d prefill, %d decode workers%s)", cfg.host, cfg.port,
              len(cfg.prefill), len(cfg.decode), f"; process {runner.group.index}" if runner.group else "")
@@ -163,7 +162,7 @@ async def run_serve(cfg: config.GatewayConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    watch = loop.create_task(multi.orphaned(parent, stop)) if runner.group is not None else None
+    watch = loop.create_task(multi.orphaned(runner.group, stop)) if runner.group is not None else None
     gc.freeze()  # what start-up made lives as long as the process: the collector stops walking it
     # and runs less often: a full pass walks every live stream's objects (a pause of tens of ms at thousands of
     # streams, in the middle of their tokens); the request path's garbage is mostly freed by refcounts
@@ -180,9 +179,10 @@ GC_THRESHOLDS = (10_000, 20, 50)  # CPython's default: (700, 10, 10)
 def serve_group(args: argparse.Namespace, argv: list[str]) -> None:
     """``pdgate serve --workers N`` (N > 1): the supervisor of N gateway processes (``pdgate.multi``)."""
     cfg = build_config(args)  # a bad config is refused once, here, not N times
-    multi.check(cfg, args.workers)
+    multi.check(cfg, args.workers, ports=True)
     log.info("pdgate: %d gateway processes on http://%s:%d", args.workers, cfg.host, cfg.port)
-    multi.run(argv, args.workers, cfg.drain_s)
+    if multi.run(argv, args.workers, cfg.drain_s):
+        raise SystemExit(1)
 
 
 class UnixConnection(http.client.HTTPConnection):

@@ -55,14 +55,20 @@ async def check(gw: Gateway, w: Worker) -> None:
         detail = str(exc) or (f"no answer within {cfg.timeout_s:g}s" if isinstance(exc, TimeoutError) else "no detail")
         inconclusive = late_not_lost(w, started, exc)
         w.last_error = one_line(f"{exc.__class__.__name__}: {detail}" + (
-            " (not counted against it)" if inconclusive else ""))
+            " (not counted against it, unless it keeps happening)" if inconclusive else ""))
     if ok:
+        w.health_uncounted = 0
         on_up(gw, w, info if isinstance(info, dict) else {})
-    elif not inconclusive:
+    elif inconclusive and w.health_uncounted < UNCOUNTED_FACTOR * cfg.failures:
+        w.health_uncounted += 1  # forgiven, a few times in a row at most: a hung worker on a late loop goes down
+    else:
         on_failed_check(gw, w)
     w.checked = True
     check_progress(gw, w)
     gw.gate.pump()  # its capacity, its backoff or its state may have changed
+
+
+UNCOUNTED_FACTOR = 2  # timed-out checks in a row forgiven: this many times health.failures, then they count
 
 
 def late_not_lost(w: Worker, started: float, exc: BaseException) -> bool:

@@ -19,7 +19,8 @@ that starts N gateway processes (``python -m pdgate serve ...`` with the same fl
   is applied by every process.
 
 The supervisor restarts a process that dies (backoff 0.5 s doubling to 10 s, reset after 30 s of
-life), and on SIGTERM/SIGINT stops them all (each drains as a single gateway does, then SIGKILL
+life) or stops answering (``/health`` on its private listener missed three times in a row: killed, then
+restarted), and on SIGTERM/SIGINT stops them all (each drains as a single gateway does, then SIGKILL
 after ``drain_s`` + 10 s). A process whose supervisor is gone stops itself.
 
 Limits and admission (``max_concurrent``, rate limits, per-worker capacity) are per process.
@@ -35,6 +36,7 @@ import os
 import secrets
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -49,9 +51,10 @@ from h1lite.server import Request, Response, Router, Server, json_response
 from pdgate.config import ConfigError, GatewayConfig
 
 log = logging.getLogger("pdgate.multi")
-ENV_DIR, ENV_INDEX = "PDGATE_PROCESS_DIR", "PDGATE_PROCESS_INDEX"
+ENV_DIR, ENV_INDEX, ENV_SUPERVISOR = "PDGATE_PROCESS_DIR", "PDGATE_PROCESS_INDEX", "PDGATE_SUPERVISOR_PID"
 BACKOFF_S = (0.5, 10.0)  # first wait before a restart, and the most
 STABLE_S = 30.0  # a process that lived this long restarts at the first backoff again
+LIVE_S, LIVE_MISSES = 3.0, 3  # a process that does not answer /health within LIVE_S this many times is killed
 
 
 def default_workers() -> int:
@@ -65,13 +68,14 @@ class Group:
 
     dir: Path
     index: int
+    supervisor: int = 0  # its pid (0: not known)
 
     @classmethod
     def from_env(cls) -> Group | None:
-        d, i = os.environ.get(ENV_DIR), os.environ.get(ENV_INDEX)
+        d, i, sup = os.environ.get(ENV_DIR), os.environ.get(ENV_INDEX), os.environ.get(ENV_SUPERVISOR, "")
         if not d or i is None or not i.isdigit():
             return None
-        return cls(Path(d), int(i))
+        return cls(Path(d), int(i), int(sup) if sup.isdigit() else 0)
 
     @property
     def path(self) -> Path:
@@ -80,8 +84,11 @@ class Group:
     def announce(self, info: dict[str, Any]) -> None:
         """Write this process's record file (atomically: a reader never sees half of it)."""
         tmp = self.dir / f".{self.index}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps({**info, "index": self.index, "pid": os.getpid()}))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(json.dumps({**info, "index": self.index, "pid": os.getpid()}))
+            os.replace(tmp, self.path)
+        except OSError as exc:  # the directory is gone (its supervisor died): nobody reads it any more
+            log.warning("cannot write the record file %s: %s", self.path, exc)
 
     def withdraw(self) -> None:
         with contextlib.suppress(OSError):
@@ -105,6 +112,13 @@ class Group:
 
 
 OWNER_FILE = "owner.json"
+RESTART_S = 300.0  # the most a worker's restart asked of the supervisor may take
+
+
+def error(status: int, message: str, code: str) -> Response:
+    """An answer in OpenAI's error format."""
+    return json_response({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                    "code": code}}, status)
 
 
 class OwnerServer:
@@ -121,19 +135,27 @@ class OwnerServer:
         self.server = Server(self.checked(r), 1 << 16)
 
     def checked(self, r: Router) -> Any:
+        want = f"Bearer {self.token}".encode()
+
         async def run(req: Request) -> Any:
-            if not secrets.compare_digest(req.headers.get("authorization", ""), f"Bearer {self.token}"):
-                return json_response({"error": "not the supervisor's token"}, 403)
+            got = req.headers.get("authorization", "").encode("latin-1", "replace")
+            if not secrets.compare_digest(got, want):
+                return error(403, "not the supervisor's token", "forbidden")
             return await r.dispatch(req)
 
         return run
 
     async def restart(self, req: Request) -> Response:
-        url = orjson.loads(req.body or b"{}").get("url", "")
         try:
-            return json_response(await self.owner.restart_url(str(url)))
+            body = orjson.loads(req.body or b"{}")
+        except orjson.JSONDecodeError:
+            body = None
+        if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+            return error(400, 'the body must be {"url": "<worker url>"}', "bad_request")
+        try:
+            return json_response(await self.owner.restart_url(body["url"]))
         except KeyError as exc:
-            return json_response({"error": str(exc)}, 404)
+            return error(404, str(exc), "not_found")
 
     async def view(self, req: Request) -> Response:
         return json_response(self.owner.view())
@@ -159,8 +181,9 @@ class RemoteOwner:
         self.cached: list[dict[str, Any]] = []
 
     async def restart_url(self, url: str) -> dict[str, Any]:
-        status, body = await self.client.fetch(self.url, "POST", "/restart", orjson.dumps({"url": url}),
-                                               headers=self.auth)
+        async with asyncio.timeout(RESTART_S):  # an engine's restart takes a while; the supervisor bounds it too
+            status, body = await self.client.fetch(self.url, "POST", "/restart", orjson.dumps({"url": url}),
+                                                   headers=self.auth)
         if status == 404:
             raise KeyError(orjson.loads(body).get("error", url))
         if status != 200:
@@ -168,13 +191,17 @@ class RemoteOwner:
         return dict(orjson.loads(body))
 
     async def refresh(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            status, body = await self.client.fetch(self.url, "GET", "/view", headers=self.auth)
+        with contextlib.suppress(OSError, ValueError):  # TimeoutError is an OSError
+            async with asyncio.timeout(5.0):
+                status, body = await self.client.fetch(self.url, "GET", "/view", headers=self.auth)
             if status == 200:
                 self.cached = list(orjson.loads(body))
 
     def view(self) -> list[dict[str, Any]]:
         return self.cached
+
+    def close(self) -> None:
+        self.client.close()
 
     @classmethod
     def of(cls, group: Group | None) -> RemoteOwner | None:
@@ -205,7 +232,7 @@ class Supervisor:
         self.owner = OwnerServer(owner, self.dir) if owner is not None else None
 
     async def spawn(self, c: Child) -> None:
-        env = {**os.environ, ENV_DIR: str(self.dir), ENV_INDEX: str(c.index)}
+        env = {**os.environ, ENV_DIR: str(self.dir), ENV_INDEX: str(c.index), ENV_SUPERVISOR: str(os.getpid())}
         c.proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "pdgate", *self.argv, env=env)
         c.started = time.monotonic()
         log.info("gateway process %d started (pid %d)", c.index, c.proc.pid)
@@ -230,11 +257,46 @@ class Supervisor:
             c.restarts += 1
             await self.spawn(c)
 
+    async def alive(self, url: str) -> bool:
+        """Whether a gateway process answers ``GET /health`` on its private front listener within LIVE_S."""
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        try:
+            async with asyncio.timeout(LIVE_S):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                try:
+                    writer.write(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+                    line = await reader.readline()
+                finally:
+                    writer.close()
+            return line.startswith(b"HTTP/1.1 200")
+        except (OSError, ValueError):  # TimeoutError is an OSError
+            return False
+
+    async def liveness(self, every_s: float = 2.0) -> None:
+        """A process that stops answering (frozen, wedged, its loop stuck) is killed, and so restarted: a process
+        that merely exists would keep taking its share of the connections and answer none."""
+        misses: dict[int, int] = {}
+        while not self.stopping:
+            await asyncio.sleep(every_s)
+            for m in Group(self.dir, -1).members():
+                c = next((c for c in self.children if c.proc is not None and c.proc.pid == m.get("pid")), None)
+                if c is None or m.get("draining") or not m.get("front"):
+                    continue
+                pid = int(m["pid"])
+                misses[pid] = 0 if await self.alive(str(m["front"])) else misses.get(pid, 0) + 1
+                if misses[pid] >= LIVE_MISSES and not self.stopping:
+                    log.warning("gateway process %d (pid %d) did not answer /health %d times in a row: killed",
+                                c.index, pid, LIVE_MISSES)
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    misses.pop(pid, None)
+
     async def ready(self, timeout_s: float = 60.0) -> bool:
         """Whether every process announced itself (it listens) within ``timeout_s``."""
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
-            if len(Group(self.dir, -1).members()) >= self.n:
+            # every process wrote its record (one that died since is restarted once the watchers run)
+            if len(list(self.dir.glob("[0-9]*.json"))) >= self.n:
                 return True
             if any(c.proc is not None and c.proc.returncode is not None for c in self.children):
                 return False  # one died before all were up: its start fails (its own log says why)
@@ -258,8 +320,9 @@ class Supervisor:
                 await t
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Until SIGINT/SIGTERM (or ``stop``, when given: the caller handles the signals)."""
+    async def run(self, stop: asyncio.Event | None = None, check_ready: bool = False) -> int:
+        """Until SIGINT/SIGTERM (or ``stop``, when given: the caller handles the signals). With ``check_ready``,
+        a process that dies before all are up ends the group at once: 1 (its log line says why), else 0."""
         if stop is None:
             stop = asyncio.Event()
             loop = asyncio.get_running_loop()
@@ -271,8 +334,13 @@ class Supervisor:
                 await self.owner.start()
             for c in self.children:
                 await self.spawn(c)
-                watchers.append(asyncio.create_task(self.watch(c)))
+            if check_ready and not await self.ready():
+                log.error("a gateway process exited before all %d were up: stopping", self.n)
+                return 1
+            watchers = [asyncio.create_task(self.watch(c)) for c in self.children]
+            watchers.append(asyncio.create_task(self.liveness()))
             await stop.wait()
+            return 0
         finally:
             await self.stop()
             if self.owner is not None:
@@ -282,8 +350,25 @@ class Supervisor:
             await asyncio.gather(*watchers, return_exceptions=True)
 
 
-def check(cfg: GatewayConfig, n: int) -> None:
-    """What a group of ``n`` processes needs of the config, refused before any starts."""
+def port_free(host: str, port: int) -> bool:
+    """Whether ``host:port`` could be listened on now (without SO_REUSEPORT: a port held by another group's
+    processes, which listen with it, is taken too)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a listener binds: TIME_WAIT is not "in use"
+        try:
+            s.bind((host.strip("[]"), port))
+        except OSError:
+            return False
+    return True
+
+
+def check(cfg: GatewayConfig, n: int, ports: bool = False) -> None:
+    """What a group of ``n`` processes needs of the config, refused before any starts; with ``ports``, also that
+    its ports are free (SO_REUSEPORT would let a second group share them without a word)."""
+    if ports:
+        for flag, host, port in (("--port", cfg.host, cfg.port), ("--admin-port", cfg.admin_host, cfg.admin_port)):
+            if port and not port_free(host, port):
+                raise ConfigError(flag, port, f"cannot listen there: in use (choose another with {flag})")
     if not 1 <= n <= 64:
         raise ConfigError("--workers", n, "must be 1..64")
     if cfg.admin_socket:
@@ -307,15 +392,19 @@ def without_workers_flag(argv: list[str]) -> list[str]:
     return out
 
 
-def run(argv: list[str], n: int, drain_s: float) -> None:
-    asyncio.run(Supervisor(without_workers_flag(argv), n, drain_s).run())
+def run(argv: list[str], n: int, drain_s: float) -> int:
+    return asyncio.run(Supervisor(without_workers_flag(argv), n, drain_s).run(check_ready=True))
 
 
-async def orphaned(parent: int, stop: asyncio.Event, every_s: float = 1.0) -> None:
-    """In a gateway process: set ``stop`` once its supervisor is gone (its parent changed)."""
+async def orphaned(group: Group, stop: asyncio.Event, every_s: float = 1.0) -> None:
+    """In a gateway process: set ``stop`` once its supervisor is gone (its parent is no longer the pid the
+    supervisor gave: also right when it died before this process got this far). The first process to see it
+    removes the group's directory (the records, the owner's token)."""
+    parent = group.supervisor or os.getppid()
     while not stop.is_set():
         if os.getppid() != parent:
             log.warning("the supervisor (pid %d) is gone: stopping", parent)
+            shutil.rmtree(group.dir, ignore_errors=True)
             stop.set()
             return
         await asyncio.sleep(every_s)

@@ -234,6 +234,7 @@ class App:
         self.gw = gateway or Gateway(cfg)
         self.siblings = siblings.Siblings(self, self.group) if self.group is not None else None
         self.announced = 0.0  # when this process last wrote its record file (a group's process)
+        self.draining = False
         self.owner = owner or multi.RemoteOwner.of(self.group)  # the workers' supervisor, maybe in the parent
         self.health_tasks: dict[str, asyncio.Task[None]] = {}
         self.reconciler = reconcile.Reconciler(self.gw)
@@ -352,7 +353,7 @@ class App:
         if self.group is None:
             return
         self.announced = time.time()
-        self.group.announce({"instance": self.gw.instance, "changed": self.announced,
+        self.group.announce({"instance": self.gw.instance, "changed": self.announced, "draining": self.draining,
                              "workers": [{"id": w.id, "role": w.role, "url": w.url,
                                           "bootstrap_port": w.spec.bootstrap_port}
                                          for w in self.gw.pool.by_id.values()],
@@ -387,8 +388,8 @@ class App:
         """Drain: stop accepting, let live requests finish for ``drain_s``, then give each one still
         live its terminal answer (and abort its legs) before the connections close."""
         drain_s = self.cfg.drain_s
-        if self.group is not None:
-            self.group.withdraw()
+        self.draining = True
+        self.announce()  # still alive while it drains: its siblings must not take its live rids for orphans
         await self.server.close(drain_s, lambda: self.gw.drain(f"still live after drain_s={drain_s:g}s"))
         ours = self.admin.server is not None  # the socket file is ours to remove only if we listened on it
         await self.admin.close()
@@ -396,6 +397,8 @@ class App:
             await srv.close()
         if self.siblings is not None:
             self.siblings.close()
+        if isinstance(self.owner, multi.RemoteOwner):
+            self.owner.close()
         if self.cfg.admin_socket and ours:
             with contextlib.suppress(OSError):
                 os.unlink(self.cfg.admin_socket)
@@ -404,6 +407,8 @@ class App:
         for t in self.health_tasks.values():
             t.cancel()
         await self.gw.stop()
+        if self.group is not None:
+            self.group.withdraw()  # last: until now its rids were live and its record said so
 
 
 def open_front_door(host: str, keys: bool) -> str | None:

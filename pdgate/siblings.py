@@ -12,8 +12,10 @@ marked ``x-pdgate-local: 1`` so the sibling answers for itself alone, and mergin
   looked for here, then in every sibling;
 - ``GET /v1/workers``: this process's view of each worker, with ``load`` and ``capacity`` summed over the
   processes and ``processes`` (how many answered);
-- ``POST /v1/workers`` and ``DELETE /v1/workers/{id}``: done here, then by every sibling (routing is the
-  same in all of them); a sibling that could not follow is named in ``x-pdgate-siblings-failed``;
+- ``POST /v1/workers`` and ``DELETE /v1/workers/{id}``: done by the group's leader (the live process of the lowest
+  index; a call that came to another is handed to it), then by every other process with the id the worker got
+  there (routing is the same in all of them, under the same ids); a process that could not follow is named in
+  ``x-pdgate-siblings-failed``;
 - ``GET /v1/dashboard``: counts summed, lists merged;
 - ``GET /metrics``: counters and histograms summed by label set (what prometheus-client's multiprocess
   mode does), gauges too (live requests, queue depth and loads add up over processes; a worker's
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -39,7 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from h1lite.client import Client
 from h1lite.server import Request, Response, Stream, json_response
-from pdgate.errors import NotFound
+from pdgate.errors import NoHealthyPair, NotFound, one_line
 from pdgate.multi import Group
 
 if TYPE_CHECKING:
@@ -47,6 +50,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdgate.siblings")
 LOCAL = "x-pdgate-local"
+WORKER_ID = "x-pdgate-worker-id"  # on a registration a sibling forwards: the id the worker got there
 ASK_S = 3.0
 OWNER = re.compile(r"^pdg-([0-9a-f]{1,16})-")
 Handler = Callable[[Request], Awaitable[Response | Stream]]
@@ -62,8 +66,11 @@ class Siblings:
         """(instance, private URL of ``plane``) of every live sibling."""
         return [(str(m["instance"]), str(m[plane])) for m in self.group.siblings() if m.get(plane)]
 
-    async def ask(self, plane: str, request: Request, only: str | None = None) -> list[Answer]:
-        headers = {LOCAL: "1"}
+    async def ask(self, plane: str, request: Request, only: str | None = None,
+                  extra: dict[str, str] | None = None, local: bool = True, timeout_s: float = ASK_S) -> list[Answer]:
+        """The same call asked of every sibling (or the one of instance ``only``), for itself alone (``local``)
+        or, not ``local``, as if it had come to it (it then asks its own siblings: the leader of a change)."""
+        headers = {**({LOCAL: "1"} if local else {}), **(extra or {})}
         if "authorization" in request.headers:
             headers["authorization"] = request.headers["authorization"]
         target = request.path + (f"?{request.query_string}" if request.query_string else "")
@@ -71,7 +78,7 @@ class Siblings:
 
         async def one(inst: str, url: str) -> Answer:
             try:
-                async with asyncio.timeout(ASK_S):
+                async with asyncio.timeout(timeout_s):
                     resp, body = await self.client.fetch_response(url, request.method, target, request.body, ctype,
                                                                   headers)
                 return inst, resp.status, body
@@ -90,15 +97,31 @@ def _json(resp: Response | Stream) -> dict[str, Any]:
     return dict(orjson.loads(resp.body))
 
 
-def _answered(answers: list[Answer]) -> list[dict[str, Any]]:
+def _answered(answers: list[Answer], shape: dict[str, type] | None = None) -> list[dict[str, Any]]:
+    """The siblings' 200 answers that are JSON objects whose fields in ``shape`` have the types named there (a
+    sibling answering anything else is left out, with a log line, rather than spoil the whole answer)."""
     out = []
-    for _, status, body in answers:
-        if status == 200:
-            try:
-                out.append(dict(orjson.loads(body)))
-            except (orjson.JSONDecodeError, TypeError, ValueError):
-                continue
+    for inst, status, body in answers:
+        if status != 200:
+            continue
+        try:
+            got = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            got = None
+        if isinstance(got, dict) and all(isinstance(got.get(k), t) for k, t in (shape or {}).items()):
+            out.append(got)
+        else:
+            log.warning("sibling %s answered something that is not its part of the answer: left out", inst)
     return out
+
+
+def _dicts(items: Any) -> list[dict[str, Any]]:
+    return [x for x in items if isinstance(x, dict)] if isinstance(items, list) else []
+
+
+def _age(r: dict[str, Any], key: str = "age_s") -> float:
+    v = r.get(key)
+    return float(v) if isinstance(v, (int, float)) else 0.0
 
 
 def _processes(answers: list[Answer]) -> dict[str, int]:
@@ -109,9 +132,9 @@ async def requests_list(sib: Siblings, plane: str, request: Request, local: Hand
     mine = _json(await local(request))
     answers = await sib.ask(plane, request)
     reqs = list(mine["requests"])
-    for other in _answered(answers):
-        reqs.extend(other.get("requests", []))
-    reqs.sort(key=lambda r: -float(r.get("age_s") or 0))
+    for other in _answered(answers, {"requests": list}):
+        reqs.extend(_dicts(other["requests"]))
+    reqs.sort(key=lambda r: -_age(r))
     return json_response({"requests": reqs, "count": len(reqs), "processes": _processes(answers)})
 
 
@@ -134,14 +157,19 @@ async def by_id(sib: Siblings, plane: str, request: Request, local: Handler) -> 
 def _relayed(answer: Answer) -> Response:
     inst, status, body = answer
     if status == 0:
-        raise NotFound(f"the gateway process {inst} holding this request did not answer")
+        raise SiblingUnavailable(f"the gateway process {inst} holding this request did not answer within "
+                                 f"{ASK_S:g}s; ask again")
     return Response(body, status)
+
+
+class SiblingUnavailable(NoHealthyPair):
+    code = "gateway_process_unavailable"
 
 
 async def workers_list(sib: Siblings, plane: str, request: Request, local: Handler) -> Response | Stream:
     mine = _json(await local(request))
     answers = await sib.ask(plane, request)
-    merge_workers(mine["workers"], _answered(answers))
+    merge_workers(mine["workers"], _answered(answers, {"workers": list}))
     mine["processes"] = _processes(answers)
     return json_response(mine)
 
@@ -149,7 +177,7 @@ async def workers_list(sib: Siblings, plane: str, request: Request, local: Handl
 def merge_workers(workers: list[dict[str, Any]], others: list[dict[str, Any]]) -> None:
     by_id = {w["id"]: w for w in workers}
     for other in others:
-        for w in other.get("workers", []):
+        for w in _dicts(other.get("workers")):
             mine = by_id.get(w.get("id"))
             if mine is not None and mine.get("url") == w.get("url"):
                 for k in ("load", "capacity"):
@@ -158,8 +186,22 @@ def merge_workers(workers: list[dict[str, Any]], others: list[dict[str, Any]]) -
 
 
 async def broadcast(sib: Siblings, plane: str, request: Request, local: Handler) -> Response | Stream:
+    """A change of workers: made by the group's leader (the live process of the lowest index) first, then by
+    every other process with the id it got there. One process names new workers, so two changes at once never
+    give one id to two workers; a call that came to another process is handed to the leader."""
+    timeout_s = max(ASK_S, 2 * sib.app.cfg.health.timeout_s + 2)  # a registration probes, then checks
+    members = sib.group.members()
+    leader = min(members, key=lambda m: int(m.get("index", 0)), default=None)
+    if leader is not None and leader.get("pid") != os.getpid():
+        return _relayed((await sib.ask(plane, request, only=str(leader["instance"]), local=False,
+                                       timeout_s=timeout_s + ASK_S))[0])
     resp = await local(request)  # refused here (bad input, unknown worker): refused for all, nobody asked
-    failed = [inst for inst, status, _ in await sib.ask(plane, request) if not 200 <= status < 300]
+    # a registration carries the id it got here: every process names the worker alike (a DELETE by id then
+    # removes the same worker everywhere; a sibling that has that id for another worker refuses, and is named)
+    wid = resp.headers.get("x-pdgate-worker") if isinstance(resp, Response) else None
+    extra = {WORKER_ID: wid} if wid and request.method == "POST" else None
+    failed = [inst for inst, status, _ in await sib.ask(plane, request, extra=extra, timeout_s=timeout_s)
+              if not 200 <= status < 300]
     if failed:
         log.warning("%s %s: sibling(s) %s did not follow", request.method, request.path, ", ".join(failed))
         if isinstance(resp, Response):
@@ -170,22 +212,24 @@ async def broadcast(sib: Siblings, plane: str, request: Request, local: Handler)
 async def dashboard(sib: Siblings, plane: str, request: Request, local: Handler) -> Response | Stream:
     mine = _json(await local(request))
     answers = await sib.ask(plane, request)
-    others = _answered(answers)
+    others = _answered(answers, {"workers": list, "live": list, "live_count": int, "queue_depth": int,
+                                 "by_phase": dict, "finished": dict, "recent_failures": list})
     merge_workers(mine["workers"], others)
     mine["instances"] = [mine["instance"], *(o.get("instance") for o in others)]
     for o in others:
-        mine["live"].extend(o.get("live", []))
-        mine["live_count"] += int(o.get("live_count", 0))
-        mine["queue_depth"] += int(o.get("queue_depth", 0))
+        mine["live"].extend(_dicts(o["live"]))
+        mine["live_count"] += o["live_count"]
+        mine["queue_depth"] += o["queue_depth"]
         for key in ("by_phase", "finished"):
-            for k, v in (o.get(key) or {}).items():
-                mine[key][k] = mine[key].get(k, 0) + v
-        mine["recent_failures"].extend(o.get("recent_failures", []))
+            for k, v in o[key].items():
+                if isinstance(v, int):
+                    mine[key][k] = mine[key].get(k, 0) + v
+        mine["recent_failures"].extend(_dicts(o["recent_failures"]))
         oldest = o.get("oldest")
-        if oldest and (mine["oldest"] is None or oldest.get("age_s", 0) > mine["oldest"].get("age_s", 0)):
+        if isinstance(oldest, dict) and (mine["oldest"] is None or _age(oldest) > _age(mine["oldest"])):
             mine["oldest"] = oldest
-    mine["live"] = sorted(mine["live"], key=lambda r: -float(r.get("age_s") or 0))[:200]
-    mine["recent_failures"] = sorted(mine["recent_failures"], key=lambda r: float(r.get("ago_s") or 0))[:50]
+    mine["live"] = sorted(mine["live"], key=lambda r: -_age(r))[:200]
+    mine["recent_failures"] = sorted(mine["recent_failures"], key=lambda r: _age(r, "ago_s"))[:50]
     mine["processes"] = _processes(answers)
     return json_response(mine)
 
@@ -196,6 +240,15 @@ async def metrics(sib: Siblings, plane: str, request: Request, local: Handler) -
     answers = await sib.ask(plane, request)
     texts = [resp.body.decode()] + [body.decode(errors="replace") for _, status, body in answers if status == 200]
     return Response(merge_metrics(texts), content_type=CONTENT_TYPE_LATEST)
+
+
+def _families(text: str) -> list[Metric]:
+    """One process's exposition parsed; one that does not parse is left out (with a log line)."""
+    try:
+        return list(text_string_to_metric_families(text))
+    except (ValueError, TypeError, IndexError) as exc:
+        log.warning("a sibling's /metrics does not parse (%s): left out", one_line(str(exc), 120))
+        return []
 
 
 class _Merged:
@@ -214,7 +267,7 @@ def merge_metrics(texts: list[str]) -> bytes:
     families: dict[str, Metric] = {}
     sums: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
     for text in texts:
-        for fam in text_string_to_metric_families(text):
+        for fam in _families(text):
             if fam.name not in families:
                 families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
                 sums[fam.name] = {}

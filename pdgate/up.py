@@ -10,7 +10,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +34,7 @@ def cluster_file(path: str) -> Path:
     return EXAMPLE_CLUSTER
 
 
-def port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a listener binds: TIME_WAIT is not "in use"
-        try:
-            s.bind((host.strip("[]"), port))
-        except OSError:
-            return False
-    return True
+port_free = multi.port_free
 
 
 def check_ports(cfg: config.GatewayConfig, cluster: Cluster) -> None:
@@ -155,7 +147,7 @@ async def run_up(cluster_path: str, config_path: str | None, host: str | None, p
         if workers > 1:  # N gateway processes (pdgate.multi); this one keeps the workers and restarts them
             group = multi.Supervisor(serve_argv(cfg, config_path, key_file, log_level, (admin or {}).get("log_format")),
                                      workers, cfg.drain_s, owner=SupervisorOwner(sup))
-            running = asyncio.create_task(group.run(stop))
+            running = asyncio.create_task(group.run(stop, check_ready=True))
             if not await group.ready():
                 stop.set()
                 await running

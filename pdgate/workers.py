@@ -113,6 +113,7 @@ class Worker:
     history: deque[tuple[float, str, str]] = field(default_factory=lambda: deque(maxlen=32))  # (t, state, cause)
     checked: bool = False
     health_failures: int = 0
+    health_uncounted: int = 0  # timed-out checks in a row not counted against it (health.late_not_lost)
     identity: str | None = None
     fixes: list[str] | None = None
     models: tuple[str, ...] = ()

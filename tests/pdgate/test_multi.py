@@ -4,8 +4,10 @@ supervisor that restarts the one that dies (``pdgate.multi``, ``pdgate.siblings`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -253,3 +255,101 @@ def test_a_pool_takes_a_siblings_ids_and_goes_on_from_them() -> None:
     pool.continue_ids({"decode": 9, "prefill": 2})
     assert pool.next_ids == {"decode": 9, "prefill": 2}
     assert pool.add(WorkerSpec(url="http://127.0.0.1:5", role="prefill", bootstrap_port=9)).id == "p2"
+
+
+async def start_group(procs: Procs, tmp_path: Path, extra: str = "", *workers: Any, name: str = "group") -> Any:
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / f"{name}.toml"
+    cfg.write_text(f"[gateway]\nport = {port}\nadmin_port = {admin}\naccess_log = false\n{extra}"
+                   + workers_toml([workers[0]], list(workers[1:])))
+    sup = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg), "--workers", "2"], name=name)
+    wait_http(f"http://127.0.0.1:{port}/readiness", proc=sup.popen)
+    await wait_for(lambda: group_members(sup.pid), 10, "both processes announced")
+    return sup, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", cfg
+
+
+async def test_a_group_drains_on_sigterm_without_its_processes_aborting_each_other(
+        procs: Procs, fresh: aiohttp.ClientSession, tmp_path: Path) -> None:
+    """While a process drains its record stays (marked draining): its siblings do not take its live rids for a dead
+    instance's, even with drain_s well past lease_s (the record withdrawn first: they were aborted at lease_s)."""
+    p = procs.sim("prefill", "--fixes", "none")
+    d = procs.sim("decode", "--fixes", "none", "--speed", "15")
+    sup, url, _, _ = await start_group(procs, tmp_path, "drain_s = 10\n[reconcile]\ninterval_s = 0.3\ngrace_s = 0.5\n"
+                                       "lease_s = 1.5\n", p, d)
+    body = {**CHAT, "max_tokens": 60, "stream": True}
+
+    async def stream() -> str:
+        async with fresh.post(url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            return (await r.read()).decode()
+
+    tasks = [asyncio.create_task(stream()) for _ in range(8)]
+    await asyncio.sleep(1.0)
+    assert sup.popen is not None
+    sup.popen.send_signal(signal.SIGTERM)
+    texts = await asyncio.gather(*tasks)
+    assert all(t.rstrip().endswith("data: [DONE]") and '"error"' not in t for t in texts), \
+        [t[-200:] for t in texts if '"error"' in t]
+    assert await gauge(fresh, d, "num_aborted_requests_total") == 0
+    assert sup.popen.wait(20) == 0
+
+
+async def test_changes_made_at_once_through_both_processes_keep_one_id_per_worker(
+        procs: Procs, fresh: aiohttp.ClientSession, tmp_path: Path) -> None:
+    """Two registrations at the same moment, each to another process: the leader names both, so an id means one
+    worker in every process."""
+    p, d = procs.pair()
+    extra = [procs.sim("decode"), procs.sim("decode")]
+    sup, _, _, _ = await start_group(procs, tmp_path, "", p, d)
+    members = group_members(sup.pid)
+    results = await asyncio.gather(*(fresh.post(m["admin"] + "/v1/workers", json={"role": "decode", "url": x.url})
+                                     for m, x in zip(members, extra, strict=True)))
+    for r in results:
+        assert r.status == 201, await r.text()
+        assert "x-pdgate-siblings-failed" not in r.headers
+        r.release()
+    views = []
+    for m in members:
+        async with fresh.get(m["admin"] + "/v1/workers", headers={siblings.LOCAL: "1"}) as r:
+            views.append({w["id"]: w["url"] for w in (await r.json())["workers"]})
+    assert views[0] == views[1] and {x.url for x in extra} <= set(views[0].values()), views
+
+
+async def test_a_second_group_on_the_same_ports_is_refused(procs: Procs, fresh: aiohttp.ClientSession,
+                                                          tmp_path: Path) -> None:
+    p, d = procs.pair()
+    _, _, _, cfg = await start_group(procs, tmp_path, "", p, d)
+    out = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "pdgate", "serve", "--config", str(cfg),
+                                                    "--workers", "2"],
+                              capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "in use" in out.stderr, out.stderr[-500:]
+
+
+async def test_processes_stop_when_their_supervisor_dies_before_they_are_up(procs: Procs, tmp_path: Path) -> None:
+    p, d = procs.pair()
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "g.toml"
+    cfg.write_text(f"[gateway]\nport = {port}\nadmin_port = {admin}\n" + workers_toml([p], [d]))
+    sup = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg), "--workers", "2"], name="group")
+    kids = await wait_for(lambda: children(sup.pid) if len(children(sup.pid)) == 2 else None, 10, "spawned")
+    assert sup.popen is not None
+    sup.popen.kill()  # before they got far: they learn of it from the pid it gave them, not their first parent
+    sup.popen.wait(5)
+    await wait_for(lambda: all(dead(k) for k in kids), 15, "the processes stop by themselves")
+
+
+async def test_a_frozen_process_is_killed_and_restarted(procs: Procs, fresh: aiohttp.ClientSession,
+                                                       tmp_path: Path) -> None:
+    p, d = procs.pair()
+    sup, url, _, _ = await start_group(procs, tmp_path, "", p, d)
+    victim = sorted(children(sup.pid))[0]
+    os.kill(victim, signal.SIGSTOP)  # alive, holding its share of the port, answering nothing
+    try:
+        await wait_for(lambda: victim not in children(sup.pid) and len(children(sup.pid)) == 2, 25,
+                       "the supervisor kills and replaces it")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    wait_http(url + "/readiness", proc=sup.popen)
+    statuses = [s for s, _ in await asyncio.gather(*(post(fresh, url, CHAT) for _ in range(10)))]
+    assert statuses == [200] * 10
