@@ -193,8 +193,9 @@ async def broadcast(sib: Siblings, plane: str, request: Request, local: Handler)
     members = sib.group.members()
     leader = min(members, key=lambda m: int(m.get("index", 0)), default=None)
     if leader is not None and leader.get("pid") != os.getpid():
-        return _relayed((await sib.ask(plane, request, only=str(leader["instance"]), local=False,
-                                       timeout_s=timeout_s + ASK_S))[0])
+        handed = await sib.ask(plane, request, only=str(leader["instance"]), local=False, timeout_s=timeout_s + ASK_S)
+        if handed:  # (none: the leader's record names no listener of this plane; this process leads then)
+            return _relayed(handed[0])
     resp = await local(request)  # refused here (bad input, unknown worker): refused for all, nobody asked
     # a registration carries the id it got here: every process names the worker alike (a DELETE by id then
     # removes the same worker everywhere; a sibling that has that id for another worker refuses, and is named)
