@@ -230,10 +230,7 @@ async def cluster(app: App, request: Request) -> Response:
     owner = app.owner
     if owner is None:
         raise NotFound("this gateway does not run its workers")
-    refresh = getattr(owner, "refresh", None)  # an owner in another process (pdgate up --workers N) is asked now
-    if refresh is not None:
-        await refresh()
-    return json_response({"processes": owner.view()})
+    return json_response({"processes": await owner.view()})
 
 
 # ---- requests (the admin plane sees all; a client key, on the front door, its own) ----------------------

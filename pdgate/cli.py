@@ -350,9 +350,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.cmd == "serve" and args.workers > 1 and multi.Group.from_env() is None:
             serve_group(args, sys.argv[1:] if argv is None else argv)
         elif args.cmd == "serve":
-            if args.workers < 1:
-                raise config.ConfigError("--workers", args.workers, "must be 1..64")
-            uvloop.run(run_serve(build_config(args)))
+            cfg = build_config(args)
+            multi.check(cfg, args.workers)
+            uvloop.run(run_serve(cfg))
         else:
             from pdgate.up import run_up  # the one place the gateway meets engine/
 

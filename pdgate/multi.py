@@ -158,7 +158,7 @@ class OwnerServer:
             return error(404, str(exc), "not_found")
 
     async def view(self, req: Request) -> Response:
-        return json_response(self.owner.view())
+        return json_response(await self.owner.view())
 
     async def start(self) -> None:
         await self.server.start("127.0.0.1", 0)
@@ -178,7 +178,6 @@ class RemoteOwner:
         info = json.loads((group.dir / OWNER_FILE).read_text())
         self.url, self.auth = str(info["url"]), {"authorization": f"Bearer {info['token']}"}
         self.client = Client(connect_timeout_s=2.0, max_open=4, max_idle=2)
-        self.cached: list[dict[str, Any]] = []
 
     async def restart_url(self, url: str) -> dict[str, Any]:
         async with asyncio.timeout(RESTART_S):  # an engine's restart takes a while; the supervisor bounds it too
@@ -190,15 +189,14 @@ class RemoteOwner:
             raise OSError(f"the supervisor answered {status}")
         return dict(orjson.loads(body))
 
-    async def refresh(self) -> None:
+    async def view(self) -> list[dict[str, Any]]:
+        """The supervised workers, asked now ([] if the supervisor does not answer within 5 s)."""
         with contextlib.suppress(OSError, ValueError):  # TimeoutError is an OSError
             async with asyncio.timeout(5.0):
                 status, body = await self.client.fetch(self.url, "GET", "/view", headers=self.auth)
             if status == 200:
-                self.cached = list(orjson.loads(body))
-
-    def view(self) -> list[dict[str, Any]]:
-        return self.cached
+                return list(orjson.loads(body))
+        return []
 
     def close(self) -> None:
         self.client.close()
@@ -229,6 +227,7 @@ class Supervisor:
         self.dir = Path(tempfile.mkdtemp(prefix="pdgate-procs-"))  # 0700: only this user reads the records
         self.children = [Child(i) for i in range(n)]
         self.stopping = False
+        self.up = asyncio.Event()  # every process is up (set by run)
         self.owner = OwnerServer(owner, self.dir) if owner is not None else None
 
     async def spawn(self, c: Child) -> None:
@@ -337,6 +336,7 @@ class Supervisor:
             if check_ready and not await self.ready():
                 log.error("a gateway process exited before all %d were up: stopping", self.n)
                 return 1
+            self.up.set()
             watchers = [asyncio.create_task(self.watch(c)) for c in self.children]
             watchers.append(asyncio.create_task(self.liveness()))
             await stop.wait()
@@ -363,14 +363,17 @@ def port_free(host: str, port: int) -> bool:
 
 
 def check(cfg: GatewayConfig, n: int, ports: bool = False) -> None:
-    """What a group of ``n`` processes needs of the config, refused before any starts; with ``ports``, also that
-    its ports are free (SO_REUSEPORT would let a second group share them without a word)."""
+    """What a group of ``n`` processes needs of the config, refused before any starts (one process needs
+    nothing of it); with ``ports``, also that its ports are free (SO_REUSEPORT would let a second group share
+    them without a word)."""
+    if not 1 <= n <= 64:
+        raise ConfigError("--workers", n, "must be 1..64")
+    if n == 1:
+        return
     if ports:
         for flag, host, port in (("--port", cfg.host, cfg.port), ("--admin-port", cfg.admin_host, cfg.admin_port)):
             if port and not port_free(host, port):
                 raise ConfigError(flag, port, f"cannot listen there: in use (choose another with {flag})")
-    if not 1 <= n <= 64:
-        raise ConfigError("--workers", n, "must be 1..64")
     if cfg.admin_socket:
         raise ConfigError("--workers", n, "needs the admin plane on a TCP port (admin_port) that its processes "
                           "share; admin_socket serves one process")

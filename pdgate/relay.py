@@ -84,18 +84,15 @@ class Framer:
                 self.error = errors > 0
                 self.tokens = chunk.count(sep) - errors - 1
                 return chunk
-        if ERROR in chunk:
-            errors = self._errors(chunk)
-            if errors:
-                self.first_error = first and chunk.startswith(ERROR)
-                self.error = True
-            self.tokens = chunk.count(sep) - errors
-        else:
-            self.tokens = chunk.count(sep)
+        errors = self._errors(chunk)
+        if errors:
+            self.first_error = first and chunk.startswith(ERROR)
+            self.error = True
+        self.tokens = chunk.count(sep) - errors
         return chunk
 
     def _errors(self, chunk: bytes) -> int:
-        if ERROR not in chunk:
+        if ERROR not in chunk:  # a cheap look first (a scan in C), as for [DONE]
             return 0
         return chunk.count(self.error_ev) + chunk.startswith(ERROR)
 

@@ -45,7 +45,7 @@ class Owner(Protocol):
 
     async def restart_url(self, url: str) -> dict[str, Any]: ...
 
-    def view(self) -> list[dict[str, Any]]: ...
+    async def view(self) -> list[dict[str, Any]]: ...
 
 
 # ---- front ---------------------------------------------------------------------------------
@@ -233,7 +233,6 @@ class App:
         self.cfg = cfg
         self.gw = gateway or Gateway(cfg)
         self.siblings = siblings.Siblings(self, self.group) if self.group is not None else None
-        self.announced = 0.0  # when this process last wrote its record file (a group's process)
         self.draining = False
         self.owner = owner or multi.RemoteOwner.of(self.group)  # the workers' supervisor, maybe in the parent
         self.health_tasks: dict[str, asyncio.Task[None]] = {}
@@ -352,8 +351,7 @@ class App:
         sibling started later (or restarted) routes to the same ones."""
         if self.group is None:
             return
-        self.announced = time.time()
-        self.group.announce({"instance": self.gw.instance, "changed": self.announced, "draining": self.draining,
+        self.group.announce({"instance": self.gw.instance, "changed": time.time(), "draining": self.draining,
                              "workers": [{"id": w.id, "role": w.role, "url": w.url,
                                           "bootstrap_port": w.spec.bootstrap_port}
                                          for w in self.gw.pool.by_id.values()],

@@ -34,26 +34,23 @@ def cluster_file(path: str) -> Path:
     return EXAMPLE_CLUSTER
 
 
-port_free = multi.port_free
-
-
 def check_ports(cfg: config.GatewayConfig, cluster: Cluster) -> None:
     """Before anything starts: every port this cluster needs is free, or one line says which is taken (a second
     `pdgate up` of the same cluster, most often) and how to choose another."""
     taken = []
     for w in cluster.workers:
         for what, port in (("port", w.port), ("bootstrap_port", w.bootstrap_port)):
-            if port is not None and not port_free("127.0.0.1", port):
+            if port is not None and not multi.port_free("127.0.0.1", port):
                 taken.append(f"worker {w.name} {what} {port}")
     if taken:
         raise config.ConfigError("--cluster", ", ".join(taken), "in use: is this cluster already up? Stop it, or "
                                  "give another cluster file whose ports are free")
-    if not port_free(cfg.host, cfg.port):
+    if not multi.port_free(cfg.host, cfg.port):
         raise config.ConfigError("--port", cfg.port, "cannot listen there: in use (choose another with --port)")
     if cfg.admin_socket is not None and unix_socket_live(cfg.admin_socket):
         raise config.ConfigError("--admin-socket", cfg.admin_socket, "another server listens there (choose another "
                                  "with --admin-socket)")
-    if cfg.admin_socket is None and cfg.admin_port and not port_free(cfg.admin_host, cfg.admin_port):
+    if cfg.admin_socket is None and cfg.admin_port and not multi.port_free(cfg.admin_host, cfg.admin_port):
         raise config.ConfigError("--admin-port", cfg.admin_port, "cannot listen there: in use (choose another with "
                                  "--admin-port)")
 
@@ -77,7 +74,7 @@ class SupervisorOwner:
             raise KeyError(f"no supervised worker at {url}")
         return (await self.sup.restart(name)).view()
 
-    def view(self) -> list[dict[str, Any]]:
+    async def view(self) -> list[dict[str, Any]]:
         return [c.view() for c in self.sup.children.values()]
 
 
@@ -142,15 +139,15 @@ async def run_up(cluster_path: str, config_path: str | None, host: str | None, p
             return
         await starting
         cfg, key_file = local_admin_key(gateway_config(base, sup, host, port, admin), admin_key_file)
-        group = None
         running = None
         if workers > 1:  # N gateway processes (pdgate.multi); this one keeps the workers and restarts them
             group = multi.Supervisor(serve_argv(cfg, config_path, key_file, log_level, (admin or {}).get("log_format")),
                                      workers, cfg.drain_s, owner=SupervisorOwner(sup))
             running = asyncio.create_task(group.run(stop, check_ready=True))
-            if not await group.ready():
-                stop.set()
-                await running
+            up = asyncio.create_task(group.up.wait())
+            await asyncio.wait({running, up}, return_when=asyncio.FIRST_COMPLETED)
+            if not group.up.is_set():  # run() ended: a process died before all were up
+                up.cancel()
                 raise config.ConfigError("--workers", workers, "the gateway processes did not start (see above)")
             admin_url = f"http://{cfg.admin_host}:{cfg.admin_port}"
         else:

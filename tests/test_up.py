@@ -186,7 +186,7 @@ EXAMPLE_PORTS = (30010, 30011, 30020, 30021, 30910, 30911)
 
 
 def test_up_from_any_directory_runs_the_packaged_example(procs: Procs, tmp_path: Path) -> None:
-    from pdgate.up import port_free
+    from pdgate.multi import port_free
 
     if not all(port_free("127.0.0.1", p) for p in EXAMPLE_PORTS):
         pytest.skip(f"the example cluster's ports {EXAMPLE_PORTS} are in use here")

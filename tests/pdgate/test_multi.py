@@ -353,3 +353,14 @@ async def test_a_frozen_process_is_killed_and_restarted(procs: Procs, fresh: aio
     wait_http(url + "/readiness", proc=sup.popen)
     statuses = [s for s, _ in await asyncio.gather(*(post(fresh, url, CHAT) for _ in range(10)))]
     assert statuses == [200] * 10
+
+
+def test_what_a_group_needs_of_the_config_is_not_asked_of_one_process() -> None:
+    from pdgate.config import ConfigError, GatewayConfig
+
+    on_a_socket = GatewayConfig(admin_socket="/tmp/pdgate-admin.sock")
+    multi.check(on_a_socket, 1)  # one process: an admin socket is fine, as it always was
+    with pytest.raises(ConfigError, match="admin_socket"):
+        multi.check(on_a_socket, 2)
+    with pytest.raises(ConfigError, match=r"1\.\.64"):
+        multi.check(GatewayConfig(), 0)

@@ -256,3 +256,52 @@ async def test_checks_that_always_end_late_still_take_a_hung_worker_down(
         await asyncio.sleep(0.05)
     assert w.state.value == "down", w.view(g.gw.now())
     assert w.health_uncounted == health.UNCOUNTED_FACTOR * 2
+
+
+@pytest.mark.parametrize("counted", [False, True])
+async def test_a_slow_health_answer_from_a_worker_streaming_our_tokens_is_not_counted(
+        procs: Procs, http: aiohttp.ClientSession, gateways: list[Any], monkeypatch: pytest.MonkeyPatch,
+        counted: bool) -> None:
+    """The other half of health.late_not_lost: the loop is on time, but the decode's /health does not answer
+    within its timeout while the decode keeps sending our tokens (an SGLang under load answers /health late).
+    Not counted; with the mechanism switched off (``counted``) the streaming decode is taken down."""
+    from pdgate import health
+    from pdgate.upstream import Upstream
+    from pdgate.workers import State, Worker
+
+    p, d = procs.sim("prefill"), procs.sim("decode", "--speed", "15")
+    g = await gateway(gateways, [p], [d], max_attempts=1,
+                      health=HealthConfig(interval_s=0.2, timeout_s=0.3, failures=2, degraded_after_s=30))
+    if counted:
+        monkeypatch.setattr(health, "late_not_lost", lambda *_: False)
+    slow = [0]
+    real_get = Upstream.get
+
+    async def slow_health(self: Upstream, url: str, timeout_s: float) -> tuple[int, bytes]:
+        if url.startswith(d.url) and url.endswith("/health") and slow[0] > 0:
+            slow[0] -= 1
+            await asyncio.sleep(timeout_s)  # the answer does not come in time; the loop is not late
+            raise TimeoutError
+        return await real_get(self, url, timeout_s)
+
+    monkeypatch.setattr(Upstream, "get", slow_health)
+    downs: list[str] = []
+    real_transition = Worker.transition
+
+    def seen(self: Worker, state: State, now: float, why: str) -> None:
+        if state is State.DOWN:
+            downs.append(self.id)
+        real_transition(self, state, now, why)
+
+    monkeypatch.setattr(Worker, "transition", seen)
+    async with http.post(g.url + "/v1/chat/completions", json={**CHAT, "max_tokens": 100, "stream": True}) as r:
+        assert r.status == 200
+        first = await r.content.readuntil(b"\n\n")
+        slow[0] = 2  # health.failures of them: enough to take it down if counted
+        text = (first + await r.content.read()).decode()
+    assert slow[0] == 0, "the slow answers happened while the stream ran"
+    if counted:
+        assert worker_id(g.gw, d) in downs, "without the mechanism the streaming decode is taken down"
+    else:
+        assert not downs, downs
+        assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text
