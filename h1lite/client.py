@@ -59,7 +59,7 @@ def header_lines(headers: dict[str, str]) -> bytes:
 BAD_HEADER = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
 
 
-class Response:
+class ClientResponse:
     """One answer; the connection stays with it until the message ends or ``release()``."""
 
     __slots__ = ("_chunks", "_conn", "_exc", "_headers", "_raw", "_sink", "_size", "_waiter", "complete", "limit",
@@ -180,12 +180,12 @@ class Connection(asyncio.Protocol):
         "uses",
     )
 
-    def __init__(self, pool: Pool) -> None:
+    def __init__(self, pool: OriginPool) -> None:
         self.pool = pool
         self.loop = pool.loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.resp: Response | None = None
+        self.resp: ClientResponse | None = None
         self._headers_waiter: asyncio.Future[None] | None = None
         self._lost = False
         self.keep = True
@@ -260,7 +260,7 @@ class Connection(asyncio.Protocol):
 
     # -- ours
     @staticmethod
-    def _until_close(resp: Response) -> bool:
+    def _until_close(resp: ClientResponse) -> bool:
         """The answer has neither a length nor chunks: its body ends where the connection does (asked only at
         a close before the message ended; such a connection is never pooled, since its message never ends)."""
         return resp.status >= 200 and resp.status not in (204, 304) and not any(
@@ -273,16 +273,16 @@ class Connection(asyncio.Protocol):
         if self.resp is not None:
             self.resp._finish(exc)
 
-    def _send(self, head: bytes, body: bytes, limit: int | None = None) -> Response:
+    def _send(self, head: bytes, body: bytes, limit: int | None = None) -> ClientResponse:
         assert self.transport is not None
         self.uses += 1
-        resp = self.resp = Response(self, limit)
+        resp = self.resp = ClientResponse(self, limit)
         self.transport.write(head + body if len(body) < 65536 else head)
         if len(body) >= 65536:
             self.transport.write(body)
         return resp
 
-    async def request(self, head: bytes, body: bytes) -> Response:
+    async def request(self, head: bytes, body: bytes) -> ClientResponse:
         """Returns once the status line and headers are in."""
         self._headers_waiter = self.loop.create_future()
         resp = self._send(head, body)
@@ -292,7 +292,7 @@ class Connection(asyncio.Protocol):
             self._headers_waiter = None
         return resp
 
-    async def fetch(self, head: bytes, body: bytes, limit: int | None = None) -> tuple[Response, bytes]:
+    async def fetch(self, head: bytes, body: bytes, limit: int | None = None) -> tuple[ClientResponse, bytes]:
         """The whole answer, waited for once (a small answer comes in one read: one wake-up)."""
         resp = self._send(head, body, limit)
         data = await resp.read()
@@ -309,7 +309,7 @@ class Connection(asyncio.Protocol):
             self.paused = False
             self.transport.resume_reading()
 
-    def done(self, resp: Response) -> None:
+    def done(self, resp: ClientResponse) -> None:
         if self.resp is not resp:
             return
         self.resp = None
@@ -326,7 +326,7 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
 
-class Pool:
+class OriginPool:
     """Keep-alive connections to one origin, the most recently used first; at most ``max_open`` open (a
     request beyond waits for one, within the connect timeout) and ``max_idle`` kept idle."""
 
@@ -413,7 +413,7 @@ CHECK_AFTER_S = 0.1  # idle this long or more: the socket is checked for the eng
 STALE_IDLE_S = 1.0  # servers close idle keep-alive connections after a second or more (uvicorn: 5 s by default)
 
 
-def _stale(conn: Connection, resp: Response | None, exc: BaseException) -> bool:
+def _stale(conn: Connection, resp: ClientResponse | None, exc: BaseException) -> bool:
     """Whether a failure is the engine's keep-alive close racing our request: the connection sat idle long
     enough to be closed for it, was reused, closed before a byte of the answer came. Then the engine closed it
     before reading our request, which can be sent again. A connection busy a moment ago that closes is an
@@ -431,23 +431,23 @@ class Client:
         self.idle_s = idle_s
         self.max_open, self.max_idle = max_open, max_idle
         self.max_body = max_body  # default limit of a read() answer
-        self.pools: dict[str, tuple[Pool, bytes]] = {}  # "http://host:port" -> (pool, Host header value)
+        self.pools: dict[str, tuple[OriginPool, bytes]] = {}  # "http://host:port" -> (pool, Host header value)
         self.stale_retries = 0  # requests sent again after a reused connection turned out closed
 
-    def _pool(self, base: str) -> tuple[Pool, bytes]:
+    def _pool(self, base: str) -> tuple[OriginPool, bytes]:
         hit = self.pools.get(base)
         if hit is None:
             u = urlsplit(base)
             if u.scheme != "http" or not u.hostname:
                 raise ValueError(f"only http://host:port origins are supported, got {base!r}")
             port = u.port or 80
-            pool = Pool(asyncio.get_running_loop(), u.hostname, port, self.connect_timeout_s, self.idle_s,
+            pool = OriginPool(asyncio.get_running_loop(), u.hostname, port, self.connect_timeout_s, self.idle_s,
                         self.max_open, self.max_idle)
             hit = self.pools[base] = (pool, f"{u.hostname}:{port}".encode())
         return hit
 
     async def request(self, base: str, method: str, target: str, body: bytes = b"",
-                      content_type: bytes = b"application/json", headers: dict[str, str] | bytes | None = None) -> Response:
+                      content_type: bytes = b"application/json", headers: dict[str, str] | bytes | None = None) -> ClientResponse:
         """Send one request to ``base`` (``http://host:port``); returns once the status line and headers are in.
 
         The caller must ``release()`` the response (``send`` does it for you)."""
@@ -465,14 +465,14 @@ class Client:
 
     async def fetch_response(self, base: str, method: str, target: str, body: bytes = b"",
                              content_type: bytes = b"application/json", headers: dict[str, str] | bytes | None = None,
-                             limit: int | None = None) -> tuple[Response, bytes]:
+                             limit: int | None = None) -> tuple[ClientResponse, bytes]:
         """As ``fetch``, with the response (status, headers) itself. ``limit``: most body bytes taken
         (default ``max_body``); past it ``BodyTooLarge``."""
         pool, head = self._head(base, method, target, body, content_type, headers)
         limit = self.max_body if limit is None else limit
         return await self._send(pool, lambda conn: conn.fetch(head, body, limit))
 
-    async def _send(self, pool: Pool, exchange: Callable[[Connection], Awaitable[T]]) -> T:
+    async def _send(self, pool: OriginPool, exchange: Callable[[Connection], Awaitable[T]]) -> T:
         """Run ``exchange`` on a pooled connection; once more on a fresh one if the pooled one was stale."""
         conn = await pool.acquire()
         try:
@@ -490,7 +490,7 @@ class Client:
             raise
 
     def _head(self, base: str, method: str, target: str, body: bytes, content_type: bytes,
-              headers: dict[str, str] | bytes | None) -> tuple[Pool, bytes]:
+              headers: dict[str, str] | bytes | None) -> tuple[OriginPool, bytes]:
         """The request head. ``headers``: a dict (checked for control characters), or header lines already
         encoded and checked by the caller (``header_lines``: the hot path builds them once)."""
         pool, host = self._pool(base)
@@ -526,9 +526,9 @@ class Exchange:
                  headers: dict[str, str] | bytes | None = None) -> None:
         self.client, self.base, self.method, self.target, self.body = client, base, method, target, body
         self.headers = headers
-        self.resp: Response | None = None
+        self.resp: ClientResponse | None = None
 
-    async def __aenter__(self) -> Response:
+    async def __aenter__(self) -> ClientResponse:
         self.resp = await self.client.request(self.base, self.method, self.target, self.body, headers=self.headers)
         self.body = b""  # sent: a long stream does not keep its request body
         return self.resp

@@ -12,13 +12,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
 
 import orjson
 
 from h1lite.server import Request, Response, Stream, json_response
-from pdgate import dashboard, health, protocol, traces
+from pdgate import dashboard, traces
 from pdgate.auth import Admin, Tenant
 from pdgate.config import (
     ConfigError,
@@ -27,6 +27,7 @@ from pdgate.config import (
     parse_prefill_flag,
     validate_worker,
 )
+from pdgate.control import Control
 from pdgate.errors import (
     BadRequest,
     Conflict,
@@ -40,12 +41,20 @@ from pdgate.gateway import Gateway
 from pdgate.record import LIVE, Record, phase_label
 from pdgate.scope import Cause, Reason
 
-if TYPE_CHECKING:
-    from pdgate.server import App
-
 audit_log = logging.getLogger("pdgate.audit")
 PHASES = (*dict.fromkeys(phase_label(p) for p in LIVE), "prefill")  # what GET /v1/requests?phase= takes
-Handler = Callable[["App", Request], Awaitable[Response | Stream]]
+Handler = Callable[[Control, Request], Awaitable[Response | Stream]]
+
+
+class Registered(Response):
+    """A registration's answer, with the id the worker got (the audit line names it, a group's siblings are
+    told it)."""
+
+    __slots__ = ("worker",)
+
+    def __init__(self, body: bytes, status: int, worker: str) -> None:
+        super().__init__(body, status)
+        self.worker = worker
 
 
 def actor(request: Request) -> str:
@@ -57,26 +66,25 @@ def actor(request: Request) -> str:
     return "anonymous"
 
 
-def audit(app: App, request: Request, action: str, target: str, status: int, detail: str = "") -> None:
+def audit(ctl: Control, request: Request, action: str, target: str, status: int, detail: str = "") -> None:
     who = actor(request)
     audit_log.info("audit actor=%s action=%s target=%s status=%d%s", who, action, target, status,
                    f" {detail}" if detail else "")
-    app.gw.metrics.admin_actions.labels(who, action, str(status)).inc()
+    ctl.gw.metrics.admin_actions.labels(who, action, str(status)).inc()
 
 
 def audited(action: str, handler: Handler) -> Handler:
     """``handler`` with its outcome audited (also when it fails)."""
 
-    async def run(app: App, request: Request) -> Response | Stream:
+    async def run(ctl: Control, request: Request) -> Response | Stream:
         target = target_of(request)
         try:
-            resp = await handler(app, request)
+            resp = await handler(ctl, request)
         except GatewayError as exc:
-            audit(app, request, action, target, exc.status, f"error={exc.code}")
+            audit(ctl, request, action, target, exc.status, f"error={exc.code}")
             raise
         status = resp.status if isinstance(resp, Response) else 200
-        wid = resp.headers.get("x-pdgate-worker") if isinstance(resp, Response) else None
-        audit(app, request, action, f"{wid}={target}" if wid else target, status)
+        audit(ctl, request, action, f"{resp.worker}={target}" if isinstance(resp, Registered) else target, status)
         return resp
 
     return run
@@ -116,126 +124,112 @@ def visible(rec: Record | None, tenant: Tenant | None) -> Record | None:
 
 
 # ---- workers ---------------------------------------------------------------------------------------
-async def list_workers(app: App, request: Request) -> Response:
-    gw = app.gw
+async def list_workers(ctl: Control, request: Request) -> Response:
+    gw = ctl.gw
     now = gw.now()
     return json_response({"workers": [w.view(now) for w in gw.pool.by_id.values()]})
 
 
-def registration(app: App, body: dict[str, Any]) -> WorkerSpec:
+def registration(ctl: Control, body: dict[str, Any]) -> WorkerSpec:
     """The worker a ``POST /v1/workers`` body names (its URL in one canonical spelling), or a 400/409 saying why
     not. Registrations in progress count against the limit and the duplicate check."""
-    gw = app.gw
+    gw = ctl.gw
     try:
-        role, url = body.get("role"), str(body.get("url", "")).rstrip("/")
+        role, url, kind = body.get("role"), str(body.get("url", "")).rstrip("/"), body.get("engine", "sglang")
         if role == "prefill":
             bport = body.get("bootstrap_port")
-            spec = parse_prefill_flag(url, None if bport is None else str(bport))
+            spec = parse_prefill_flag(url, None if bport is None else str(bport), kind)
         else:
-            spec = validate_worker(WorkerSpec(url=url, role=str(role)))
+            spec = validate_worker(WorkerSpec(url=url, role=str(role), engine=kind))
     except (ConfigError, ValueError, TypeError) as exc:
         raise BadRequest(str(exc)) from None
-    if not host_allowed(spec.host, app.worker_hosts):
+    if spec.engine not in gw.engines.kinds:
+        raise BadRequest(f"engine {spec.engine!r} is not a kind this gateway knows ({', '.join(sorted(gw.engines.kinds))})",
+                         param="engine")
+    if not host_allowed(spec.host, ctl.worker_hosts):
         raise BadRequest(f"worker host {spec.host} is not allowed (gateway.allowed_worker_hosts: "
-                         f"{', '.join(app.worker_hosts)})", param="url")
-    if spec.url in app.own_urls():
+                         f"{', '.join(ctl.worker_hosts)})", param="url")
+    if spec.url in ctl.own_urls():
         raise BadRequest(f"{spec.url} is this gateway itself", param="url")
-    if len(gw.pool.by_id) + len(app.registering) >= gw.cfg.max_workers:
+    if len(gw.pool.by_id) + len(ctl.registering) >= gw.cfg.max_workers:
         raise Conflict(f"the gateway has its max_workers of {gw.cfg.max_workers} workers")
     for w in gw.pool.by_id.values():
         if w.url == spec.url and w.role == spec.role:
             raise Conflict(f"{spec.role} worker {spec.url} is already registered as {w.id}")
-    if (spec.role, spec.url) in app.registering:
+    if (spec.role, spec.url) in ctl.registering:
         raise Conflict(f"{spec.role} worker {spec.url} is being registered")
     return spec
 
 
 async def probe(gw: Gateway, spec: WorkerSpec) -> bool:
-    """Whether ``spec`` answers as an SGLang worker of its role: ``/health`` 200, and ``/server_info`` naming
-    the same disaggregation mode (a decode registered as a prefill, or anything else, is refused)."""
+    """Whether ``spec`` answers as an engine of its kind and role (``Engine.identify``), within the health
+    check's bound."""
     timeout = gw.cfg.health.timeout_s
     try:
-        async with asyncio.timeout(timeout):  # both calls within the one bound
-            status, _ = await gw.up().get(spec.url + protocol.HEALTH_PATH, timeout)
-            if status != 200:
-                return False
-            status, info = await gw.up().get_json(spec.url + protocol.SERVER_INFO_PATH, timeout)
+        async with asyncio.timeout(timeout):
+            return await gw.engines(spec.engine).identify(spec, timeout)
     except Exception:  # refused, reset, timed out, garbage: all one answer
         return False
-    mode = info.get("disaggregation_mode") if isinstance(info, dict) else None
-    return status == 200 and mode == spec.role
 
 
-async def add_worker(app: App, request: Request) -> Response:
+async def add_worker(ctl: Control, request: Request) -> Response:
     """Register a worker once it answers as one: a registration that fails leaves nothing behind, and every
     kind of failure reads the same, after the same time (no port scanner, no echo of what answered)."""
-    gw = app.gw
-    spec = registration(app, await read_json(request))
+    gw = ctl.gw
+    spec = registration(ctl, await read_json(request))
     started = time.monotonic()
-    app.registering.add((spec.role, spec.url))
+    ctl.registering.add((spec.role, spec.url))
     try:
         ok = await probe(gw, spec)
     finally:
-        app.registering.discard((spec.role, spec.url))
+        ctl.registering.discard((spec.role, spec.url))
     if not ok:
         if not any(w.url == spec.url for w in gw.pool.by_id.values()):
-            gw.up().client.drop(spec.url)
+            gw.upstream.client.drop(spec.url)
         timeout = gw.cfg.health.timeout_s
         await asyncio.sleep(max(0.0, timeout - (time.monotonic() - started)))  # as long as the slowest failure
-        raise WorkerUnreachable(f"the {spec.role} worker at {spec.url} did not answer GET /health and /server_info "
-                                f"as an SGLang {spec.role} worker within {timeout:g}s; nothing was registered")
+        raise WorkerUnreachable(f"the {spec.role} worker at {spec.url} did not answer as an {spec.engine} "
+                                f"{spec.role} worker within {timeout:g}s; nothing was registered")
     wid = request.headers.get("x-pdgate-worker-id") if "x-pdgate-local" in request.headers else None
     try:
-        w = gw.pool.add(spec, wid)  # a sibling's registration comes with the id it got there (pdgate.siblings)
+        w = await ctl.register(spec, wid)  # a sibling's registration comes with the id it got there (pdgate.siblings)
     except ValueError as exc:  # registered meanwhile by another call, or that id names another worker here
         raise Conflict(str(exc)) from None
-    app.start_health(w.id)
-    app.announce()
-    await health.check(gw, w)
-    resp = json_response(w.view(gw.now()), 201)
-    resp.headers["x-pdgate-worker"] = w.id
-    return resp
+    return Registered(orjson.dumps(w.view(gw.now())), 201, w.id)
 
 
-async def remove_worker(app: App, request: Request) -> Response:
-    gw = app.gw
+async def remove_worker(ctl: Control, request: Request) -> Response:
     wid = request.match["id"]
-    if wid not in gw.pool.by_id:
+    if wid not in ctl.gw.pool.by_id:
         raise NotFound(f"no worker {wid}")
-    w = gw.pool.remove(wid, gw.now())
-    task = app.health_tasks.pop(wid, None)
-    if task is not None:
-        task.cancel()
-    if not any(o.url == w.url for o in gw.pool.by_id.values()):
-        gw.up().client.drop(w.url)  # its connections go with it
-    app.announce()
+    w = ctl.remove(wid)
     return json_response({"removed": wid, "url": w.url})
 
 
-async def restart_worker(app: App, request: Request) -> Response:
-    gw = app.gw
+async def restart_worker(ctl: Control, request: Request) -> Response:
+    gw = ctl.gw
     wid = request.match["id"]
     w = gw.pool.by_id.get(wid)
     if w is None:
         raise NotFound(f"no worker {wid}")
-    owner = app.owner
-    if owner is None:
+    sup = ctl.supervisor
+    if sup is None:
         raise NotFound("this gateway does not run its workers (start it with `pdgate up` to restart them from here)")
-    child = await owner.restart_url(w.url)
-    await health.check(gw, w)
+    child = await sup.restart_url(w.url)
+    await gw.health.check(w)
     return json_response({"worker": w.view(gw.now()), "process": child})
 
 
-async def cluster(app: App, request: Request) -> Response:
-    owner = app.owner
-    if owner is None:
+async def cluster(ctl: Control, request: Request) -> Response:
+    sup = ctl.supervisor
+    if sup is None:
         raise NotFound("this gateway does not run its workers")
-    return json_response({"processes": await owner.view()})
+    return json_response({"processes": await sup.view()})
 
 
 # ---- requests (the admin plane sees all; a client key, on the front door, its own) ----------------------
-async def list_requests(app: App, request: Request) -> Response:
-    gw = app.gw
+async def list_requests(ctl: Control, request: Request) -> Response:
+    gw = ctl.gw
     tenant = tenant_of(request)
     q = request.query
     try:
@@ -253,8 +247,8 @@ async def list_requests(app: App, request: Request) -> Response:
     return json_response({"requests": [traces.summary(r, now) for r in recs], "count": len(recs)})
 
 
-async def get_request(app: App, request: Request) -> Response:
-    gw = app.gw
+async def get_request(ctl: Control, request: Request) -> Response:
+    gw = ctl.gw
     tenant = tenant_of(request)
     rec = visible(gw.traces.get(request.match["id"], tenant.name if tenant else None), tenant)
     if rec is None:
@@ -272,22 +266,21 @@ async def engine_view(gw: Gateway, rec: Record) -> dict[str, Any]:
 
     async def one(wid: str) -> None:
         w = gw.pool.by_id.get(wid)
-        if w is None or not w.has_extension:
+        if w is None or not w.info.lists_rids:
             return
-        try:
-            _, body = await gw.up().get_json(w.url + "/pdgate/v1/requests", 1.0)
-        except Exception:  # a trace must render whatever the engine does
+        held = await w.engine.held(w.url, 1.0)
+        if held is None:  # a trace must render whatever the engine does
             out[wid] = {"queue": "unknown"}
             return
-        hits = [r for r in (body or {}).get("requests", []) if r.get("rid") == a.rid]
-        out[wid] = hits[0] if hits else {"queue": None}
+        hit = next((h for h in held if h.rid == a.rid), None)
+        out[wid] = {"rid": hit.rid, "queue": hit.queue, "since_s": hit.age_s} if hit else {"queue": None}
 
     await asyncio.gather(one(a.prefill), one(a.decode))
     return out
 
 
-async def abort_request(app: App, request: Request) -> Response:
-    gw = app.gw
+async def abort_request(ctl: Control, request: Request) -> Response:
+    gw = ctl.gw
     asked = request.match["id"]
     tenant = tenant_of(request)
     rec = visible(gw.traces.get(asked, tenant.name if tenant else None), tenant)

@@ -16,65 +16,73 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from h1lite.server import Request
-from pdgate import deadlines, protocol, validation
+from pdgate import deadlines, validation
 from pdgate.auth import Tenant
-from pdgate.config import PRIORITIES
+from pdgate.config import PRIORITIES, AdmissionConfig, GatewayConfig
 from pdgate.errors import InvalidField, InvalidJSON, ModelNotFound, NoHealthyPair, Shed
-from pdgate.policies import RequestView, select_pair
+from pdgate.policies import RequestView
 from pdgate.queueing import RANKS, Entry, FairQueue, Rates
-from pdgate.record import Record
+from pdgate.record import Phase, Record
+from pdgate.rid import Ids
+from pdgate.routing import Pair, Routing
 
 if TYPE_CHECKING:
-    from pdgate.gateway import Gateway
-    from pdgate.proxy import Ctx
+    from pdgate.context import Ctx
+    from pdgate.metrics import Metrics
     from pdgate.workers import Worker
 
 PRIORITY_HEADER = "x-pdgate-priority"
 NO_PAIR = "no healthy prefill+decode pair is available"
-Pair = tuple["Worker", "Worker"]
 
 
-def admit(gw: Gateway, request: Request, route: str) -> tuple[Record, dict[str, Any]]:
-    """The request's record (live from here on) and the body to send to the engines."""
-    raw = request.body
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidJSON("request body must be a JSON object")
-    model, stream = validation.validate(route, body)
-    known = gw.known_models()
-    tenant = request.state if isinstance(request.state, Tenant) else None
-    if tenant is not None and not tenant.allows(model, known):
-        # as OpenAI answers: a model this key may not use looks like one that does not exist
-        allowed = ", ".join(sorted(tenant.models & known)) or "none"
-        raise ModelNotFound(f"model '{model}' does not exist or this key has no access to it" if model is not None
-                            else f"this key may use only some models: name one in 'model' ({allowed})")
-    if model is not None and known and model not in known:
-        offered = sorted(known if tenant is None or not tenant.models else tenant.models & known)
-        raise ModelNotFound(f"model '{model}' is not served here; available: {', '.join(offered)}")
-    now = gw.now()
-    dl = deadlines.resolve(now, request.headers, body.pop("timeout", None), gw.cfg.models.get(model or ""),
-                           tenant.deadlines if tenant is not None else gw.cfg.deadlines)
-    body.pop(protocol.RID, None)
-    rec = Record(id=gw.new_id(), route=route, model=model, stream=stream, created=now, created_wall=time.time(),
-                 deadlines=dl, client_request_id=request.headers.get("x-request-id"), body_bytes=len(raw))
-    rec.priority = priority(request, tenant)
-    if tenant is not None:
-        rec.tenant = tenant.name
-        if tenant.tokens is not None:
-            # what it may use, charged now (so a burst cannot all pass on one minute's allowance), settled at the
-            # end: about four bytes of JSON per prompt token, and the completion tokens it asks for
-            rec.estimate = len(raw) // 4 + asked_tokens(body)
-            tenant.charge(rec.estimate, now)
-    gw.traces.add(rec)
-    return rec, body
+class Admission:
+    """A request read into its record: the body parsed and checked, the model the key may use, the deadlines
+    resolved once, the key's token estimate charged."""
+
+    def __init__(self, cfg: GatewayConfig, models: Callable[[], frozenset[str]], ids: Ids,
+                 clock: Callable[[], float]) -> None:
+        self.cfg, self.models, self.ids, self.clock = cfg, models, ids, clock
+
+    def admit(self, request: Request, route: str, tenant: Tenant | None) -> tuple[Record, dict[str, Any]]:
+        """The request's record (live from here on) and the body to send to the engines."""
+        raw = request.body
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise InvalidJSON("request body must be a JSON object")
+        model, stream = validation.validate(route, body)
+        known = self.models()
+        if tenant is not None and not tenant.allows(model, known):
+            # as OpenAI answers: a model this key may not use looks like one that does not exist
+            allowed = ", ".join(sorted(tenant.models & known)) or "none"
+            raise ModelNotFound(f"model '{model}' does not exist or this key has no access to it" if model is not None
+                                else f"this key may use only some models: name one in 'model' ({allowed})")
+        if model is not None and known and model not in known:
+            offered = sorted(known if tenant is None or not tenant.models else tenant.models & known)
+            raise ModelNotFound(f"model '{model}' is not served here; available: {', '.join(offered)}")
+        now = self.clock()
+        cfg = self.cfg
+        dl = deadlines.resolve(now, request.headers, body.pop("timeout", None), cfg.models.get(model or ""),
+                               tenant.deadlines if tenant is not None else cfg.deadlines)
+        rec = Record(id=self.ids.new(), route=route, model=model, stream=stream, created=now, created_wall=time.time(),
+                     deadlines=dl, client_request_id=request.headers.get("x-request-id"), body_bytes=len(raw))
+        rec.priority = priority(request, tenant)
+        if tenant is not None:
+            rec.tenant = tenant.name
+            if tenant.tokens is not None:
+                # what it may use, charged now (so a burst cannot all pass on one minute's allowance), settled at
+                # the end: about four bytes of JSON per prompt token, and the completion tokens it asks for
+                rec.estimate = len(raw) // 4 + asked_tokens(body)
+                tenant.charge(rec.estimate, now)
+        return rec, body
 
 
 DEFAULT_COMPLETION = 128  # SGLang's default max_new_tokens
@@ -111,33 +119,31 @@ def first_due(rec: Record) -> float:
 class Gate:
     """Pairs with room, handed out in the queue's order (module docstring)."""
 
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
-        self.cfg = gw.cfg.admission
+    def __init__(self, cfg: AdmissionConfig, routing: Routing, metrics: Metrics, clock: Callable[[], float]) -> None:
+        self.cfg, self.routing, self.metrics, self.clock = cfg, routing, metrics, clock
         self.queue = FairQueue()
-        self.rates = Rates(self.cfg.window_s)
+        self.rates = Rates(cfg.window_s)
         self._pumping = False
         self._again = False
 
-    def pick(self, avoid: frozenset[int], view: RequestView, room: bool = True) -> Pair | None:
-        """A pair by the policies among available workers (``room``: only those below their limit)."""
-        gw = self.gw
-        now = gw.now()
-        among = gw.pool.with_room if room else gw.pool.available
-        return select_pair(among("prefill", now), among("decode", now), gw.prefill_policy, gw.decode_policy, avoid,
-                           view)
+    def on_transition(self, rec: Record, frm: Phase, to: Phase, spent: float) -> None:
+        """A record observer: dispatch to first token (prefill to decode) is the rate the queue's estimate uses."""
+        if to is Phase.DECODE and frm is Phase.PREFILL and rec.dispatched_at is not None:
+            self.rates.first_token(rec.phase_since + spent - rec.dispatched_at)
 
-    async def acquire(self, ctx: Ctx, avoid: frozenset[int], retry: bool) -> Pair:
+    def pick(self, avoid: frozenset[int], view: RequestView, room: bool = True) -> Pair | None:
+        return self.routing.pick(avoid, view, self.clock(), room)
+
+    async def pair_for(self, ctx: Ctx, avoid: frozenset[int], retry: bool) -> Pair:
         """A pair for the next attempt: at once when one has room and nobody waits before (a retry never waits
         behind the queue), else after queueing."""
-        gw = self.gw
-        now = gw.now()
+        now = self.clock()
         if not self.cfg.enabled:
             pair = self.pick(avoid, ctx.view, room=False)
             if pair is None:
                 raise NoHealthyPair(NO_PAIR)
             return pair
-        if not gw.pool.ready(now):  # nothing to wait for: no healthy pair at all
+        if not self.routing.ready(now):  # nothing to wait for: no healthy pair at all
             raise NoHealthyPair(NO_PAIR)
         rec = ctx.rec
         rank = RANKS["retry"] if retry else RANKS[rec.priority]
@@ -145,40 +151,40 @@ class Gate:
             pair = self.pick(avoid, ctx.view)
             if pair is not None:
                 return pair
-        tenant = ctx.request.state if isinstance(ctx.request.state, Tenant) else None
+        tenant = ctx.tenant
         name, weight = (tenant.name, tenant.key.weight) if tenant is not None else ("", 1.0)
         if not retry:
             self.refuse_early(rec, rank, name, weight, now)
-        gw.metrics.queued += 1
+        self.metrics.queued += 1
+        by_id = self.routing.pool.by_id
         try:
             while True:  # until it holds a pair whose workers are still there and serving
                 pair = await self.wait(Entry(rank, name, first_due(rec), weight), avoid, ctx.view)
-                if all(gw.pool.by_id.get(w.id) is w and w.available(gw.now()) for w in pair):
+                if all(by_id.get(w.id) is w and w.available(self.clock()) for w in pair):
                     return pair
                 rank = RANKS["retry"]  # lost between its grant and now: it goes first next time
         finally:
-            gw.metrics.queue_wait.observe(gw.now() - now)
+            self.metrics.queue_wait.observe(self.clock() - now)
 
     async def wait(self, e: Entry, avoid: frozenset[int], view: RequestView) -> Pair:
         """Queue ``e`` until a pair is handed to it (its reservation released: the caller binds it at once)."""
-        gw = self.gw
         fut: asyncio.Future[Pair] = asyncio.get_running_loop().create_future()
         e.item = (fut, avoid, view)
         try:
             self.queue.push(e)
-            self.rates.waiting(gw.now(), True)
+            self.rates.waiting(self.clock(), True)
             self.pump()  # a slot may be free already (a back-off or a breaker's cooldown that ended)
             pair = await fut
         except BaseException:  # its deadline, its client, a drain, no pair left: it leaves the queue now
             self.queue.remove(e)
-            self.rates.waiting(gw.now(), self.queue.n > 0)
+            self.rates.waiting(self.clock(), self.queue.n > 0)
             if fut.done() and not fut.cancelled() and fut.exception() is None:  # granted just before: pass it on
                 for w in fut.result():
-                    w.reserved -= 1
+                    w.slots.reserved -= 1
                 self.pump()
             raise
         for w in pair:
-            w.reserved -= 1
+            w.slots.reserved -= 1
         return pair
 
     def refuse_early(self, rec: Record, rank: int, tenant: str, weight: float, now: float) -> None:
@@ -204,21 +210,21 @@ class Gate:
 
     def cut(self, w: Worker, until: float) -> None:
         """The engine said it is full (429/503): no more than it holds until ``until``; then the queue moves."""
-        w.cut_until = until
+        w.slots.cut_until = until
         self.pump_at(until)
 
     def shed(self, rec: Record, code: str, status: int, wait: float, message: str) -> None:
-        self.gw.metrics.shed(code, rec.tenant or "")
+        self.metrics.shed(code, rec.tenant or "")
         raise Shed(message, code=code, status=status, retry_after_s=max(1, math.ceil(wait)))
 
     def free(self, counted: bool, pump: bool = True) -> None:
         """A slot freed (``counted``: a request's attempt ended, which is what the drain rate measures;
         ``pump=False``: its own retry comes next and takes it before the queue)."""
         if counted and self.queue.n:
-            self.rates.free(self.gw.now())
+            self.rates.free(self.clock())
         if pump:
             self.pump()
-            self.rates.waiting(self.gw.now(), self.queue.n > 0)
+            self.rates.waiting(self.clock(), self.queue.n > 0)
 
     def pump_at(self, when: float) -> None:
         """Pump again at ``when`` (gateway clock): a back-off or a breaker's cooldown ends then, with no event."""
@@ -226,7 +232,7 @@ class Gate:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop (a pure test): nothing waits either
             return
-        loop.call_later(max(0.0, when - self.gw.now()) + 0.001, self.pump)
+        loop.call_later(max(0.0, when - self.clock()) + 0.001, self.pump)
 
     def pump(self) -> None:
         """Hand the pairs with room to the requests first in order, reserved until they bind. With no healthy
@@ -246,7 +252,7 @@ class Gate:
 
     def _pump(self) -> None:
         q = self.queue
-        if q.n and not self.gw.pool.ready(self.gw.now()):
+        if q.n and not self.routing.ready(self.clock()):
             while q.n:
                 e = q.pop()
                 assert e is not None
@@ -273,6 +279,6 @@ class Gate:
                 continue
             q.take(e)
             for w in pair:
-                w.reserved += 1
+                w.slots.reserved += 1
             fut.set_result(pair)
 

@@ -178,6 +178,7 @@ class WorkerSpec:
     url: str
     role: str
     bootstrap_port: int | None = None
+    engine: str = "sglang"  # its engine kind: the adapter the gateway talks to it through (pdgate.engines)
 
     @functools.cached_property
     def host(self) -> str:
@@ -202,6 +203,7 @@ class GatewayConfig:
     connect_timeout_s: float = 2.0
     abort_timeout_s: float = 2.0
     abort_repeat_s: tuple[float, ...] = (0.25, 1.0)  # re-abort a leg that had not answered yet, after these delays
+    abort_defer_s: float = 5.0  # a decode whose engine lacks fix A is aborted once its KV transfer is over, or after this
     drain_s: float = 10.0  # on SIGTERM: stop accepting, let live requests finish this long, then answer and abort the rest
     keepalive_s: float = 75.0  # front door: idle keep-alive connections close after this
     head_timeout_s: float = 10.0  # front door: a request head must arrive within this (slowloris: 408, closed)
@@ -292,8 +294,8 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
     for key in ("max_body_bytes", "trace_ring", "upstream_max_conns", "upstream_max_idle", "max_upstream_body_bytes"):
         with errs:
             _positive(f"gateway.{key}", getattr(cfg, key), integer=True)
-    for key in ("prefill_grace_s", "connect_timeout_s", "abort_timeout_s", "keepalive_s", "head_timeout_s",
-                "body_timeout_s", "upstream_idle_s"):
+    for key in ("prefill_grace_s", "connect_timeout_s", "abort_timeout_s", "abort_defer_s", "keepalive_s",
+                "head_timeout_s", "body_timeout_s", "upstream_idle_s"):
         with errs:
             _positive(f"gateway.{key}", getattr(cfg, key))
     with errs:
@@ -463,9 +465,14 @@ def host_allowed(host: str, allowed: tuple[str, ...]) -> bool:
     return False
 
 
+ENGINE_KIND = re.compile(r"[a-z][a-z0-9_]{0,31}")
+
+
 def validate_worker(w: WorkerSpec, key: str = "worker") -> WorkerSpec:
     if w.role not in ("prefill", "decode"):
         raise ConfigError(f"{key}.role", w.role, "must be prefill or decode")
+    if not isinstance(w.engine, str) or not ENGINE_KIND.fullmatch(w.engine):
+        raise ConfigError(f"{key}.engine", w.engine, "must be an engine kind's name (sglang)")
     if w.url.startswith("https://"):
         raise ConfigError(f"{key}.url", w.url, "https:// workers are not supported (engines are reached over plain "
                           "HTTP on a trusted network); use http://")
@@ -674,12 +681,13 @@ def load(path: str | Path | None) -> GatewayConfig:
         raise ConfigErrors(exc.errors, f"{path} (keys_file {cfg.keys_file})") from None
 
 
-def parse_prefill_flag(url: str, port: str | None) -> WorkerSpec:
+def parse_prefill_flag(url: str, port: str | None, engine: str = "sglang") -> WorkerSpec:
     try:
         bport = DEFAULT_BOOTSTRAP_PORT if port is None or port in ("", "none") else int(port)
     except ValueError:
         raise ConfigError("--prefill BOOTSTRAP_PORT", port, "must be a TCP port") from None
-    return validate_worker(WorkerSpec(url=url.rstrip("/"), role="prefill", bootstrap_port=bport), "--prefill")
+    return validate_worker(WorkerSpec(url=url.rstrip("/"), role="prefill", bootstrap_port=bport, engine=engine),
+                           "--prefill")
 
 
 def override(cfg: GatewayConfig, **changes: Any) -> GatewayConfig:

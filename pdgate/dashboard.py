@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import functools
 from importlib import resources
-from typing import TYPE_CHECKING
 
 from h1lite.server import Request, Response, json_response
 from pdgate import traces
+from pdgate.control import Control
 from pdgate.record import Phase, phase_label
-
-if TYPE_CHECKING:
-    from pdgate.server import App
 
 RECENT = 30  # recent failures and expiries shown
 PAGE_PATH = "/dashboard"
@@ -29,7 +26,7 @@ def page() -> bytes:
     return resources.files("pdgate").joinpath("dashboard.html").read_bytes()
 
 
-async def dashboard_page(app: App, request: Request) -> Response:
+async def dashboard_page(ctl: Control, request: Request) -> Response:
     return Response(page(), content_type="text/html; charset=utf-8",
                     headers={"Cache-Control": "no-store", "Content-Security-Policy":
                              "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
@@ -38,8 +35,8 @@ async def dashboard_page(app: App, request: Request) -> Response:
                              "X-Content-Type-Options": "nosniff"})
 
 
-async def snapshot(app: App, request: Request) -> Response:
-    gw = app.gw
+async def snapshot(ctl: Control, request: Request) -> Response:
+    gw = ctl.gw
     now = gw.now()
     live = sorted(gw.traces.live.values(), key=lambda r: r.created)
     by_phase: dict[str, int] = {}

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdgate.record import LIVE, Phase, Record
+from pdgate.record import LIVE, Phase, Record, phase_label
 
 disable_created_metrics()  # type: ignore[no-untyped-call]  # the *_created series double the scrape size and nobody reads them
 
@@ -106,6 +106,8 @@ class Metrics:
         if h is not None:
             h.observe(spent)
         if to.terminal:
+            if to is Phase.DEADLINE_EXCEEDED:
+                self.deadlines.labels(rec.budget or "", phase_label(frm)).inc()
             key = (rec.route, to.value)
             self.finished[key] = self.finished.get(key, 0) + 1
             e2e = self.e2e_hist.get(to.value)

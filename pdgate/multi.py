@@ -111,7 +111,7 @@ class Group:
         return [m for m in self.members() if m.get("pid") != os.getpid()]
 
 
-OWNER_FILE = "owner.json"
+SUPERVISOR_FILE = "supervisor.json"
 RESTART_S = 300.0  # the most a worker's restart asked of the supervisor may take
 
 
@@ -121,13 +121,13 @@ def error(status: int, message: str, code: str) -> Response:
                                     "code": code}}, status)
 
 
-class OwnerServer:
+class SupervisorServer:
     """In ``pdgate up --workers N``: lets the gateway processes restart the workers this process supervises
     (``POST /v1/workers/{id}/restart``, ``GET /v1/cluster``), on loopback, behind a token kept in the group's
     private directory."""
 
-    def __init__(self, owner: Any, directory: Path) -> None:
-        self.owner, self.dir = owner, directory
+    def __init__(self, supervised: Any, directory: Path) -> None:
+        self.supervised, self.dir = supervised, directory
         self.token = secrets.token_urlsafe(24)
         r = Router()
         r.add("POST", "/restart", self.restart)
@@ -153,16 +153,16 @@ class OwnerServer:
         if not isinstance(body, dict) or not isinstance(body.get("url"), str):
             return error(400, 'the body must be {"url": "<worker url>"}', "bad_request")
         try:
-            return json_response(await self.owner.restart_url(body["url"]))
+            return json_response(await self.supervised.restart_url(body["url"]))
         except KeyError as exc:
             return error(404, str(exc), "not_found")
 
     async def view(self, req: Request) -> Response:
-        return json_response(await self.owner.view())
+        return json_response(await self.supervised.view())
 
     async def start(self) -> None:
         await self.server.start("127.0.0.1", 0)
-        path = self.dir / OWNER_FILE
+        path = self.dir / SUPERVISOR_FILE
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             json.dump({"url": f"http://127.0.0.1:{self.server.port}", "token": self.token}, f)
@@ -171,11 +171,11 @@ class OwnerServer:
         await self.server.close()
 
 
-class RemoteOwner:
+class RemoteSupervisor:
     """In a gateway process of ``pdgate up --workers N``: the supervisor of the workers, asked over loopback."""
 
     def __init__(self, group: Group) -> None:
-        info = json.loads((group.dir / OWNER_FILE).read_text())
+        info = json.loads((group.dir / SUPERVISOR_FILE).read_text())
         self.url, self.auth = str(info["url"]), {"authorization": f"Bearer {info['token']}"}
         self.client = Client(connect_timeout_s=2.0, max_open=4, max_idle=2)
 
@@ -202,13 +202,13 @@ class RemoteOwner:
         self.client.close()
 
     @classmethod
-    def of(cls, group: Group | None) -> RemoteOwner | None:
-        if group is None or not (group.dir / OWNER_FILE).exists():
+    def of(cls, group: Group | None) -> RemoteSupervisor | None:
+        if group is None or not (group.dir / SUPERVISOR_FILE).exists():
             return None
         return cls(group)
 
 
-class Child:
+class GatewayProcess:
     __slots__ = ("backoff", "index", "proc", "restarts", "started")
 
     def __init__(self, index: int) -> None:
@@ -219,24 +219,24 @@ class Child:
         self.backoff = BACKOFF_S[0]
 
 
-class Supervisor:
+class ProcessGroup:
     """Starts ``n`` gateway processes with ``argv`` (``pdgate serve`` flags), restarts the ones that die."""
 
-    def __init__(self, argv: list[str], n: int, drain_s: float, owner: Any = None) -> None:
+    def __init__(self, argv: list[str], n: int, drain_s: float, supervised: Any = None) -> None:
         self.argv, self.n, self.drain_s = argv, n, drain_s
         self.dir = Path(tempfile.mkdtemp(prefix="pdgate-procs-"))  # 0700: only this user reads the records
-        self.children = [Child(i) for i in range(n)]
+        self.children = [GatewayProcess(i) for i in range(n)]
         self.stopping = False
         self.up = asyncio.Event()  # every process is up (set by run)
-        self.owner = OwnerServer(owner, self.dir) if owner is not None else None
+        self.server = SupervisorServer(supervised, self.dir) if supervised is not None else None
 
-    async def spawn(self, c: Child) -> None:
+    async def spawn(self, c: GatewayProcess) -> None:
         env = {**os.environ, ENV_DIR: str(self.dir), ENV_INDEX: str(c.index), ENV_SUPERVISOR: str(os.getpid())}
         c.proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "pdgate", *self.argv, env=env)
         c.started = time.monotonic()
         log.info("gateway process %d started (pid %d)", c.index, c.proc.pid)
 
-    async def watch(self, c: Child) -> None:
+    async def watch(self, c: GatewayProcess) -> None:
         while not self.stopping:
             assert c.proc is not None
             rc = await c.proc.wait()
@@ -329,8 +329,8 @@ class Supervisor:
                 loop.add_signal_handler(sig, stop.set)
         watchers: list[asyncio.Task[None]] = []
         try:
-            if self.owner is not None:
-                await self.owner.start()
+            if self.server is not None:
+                await self.server.start()
             for c in self.children:
                 await self.spawn(c)
             if check_ready and not await self.ready():
@@ -343,8 +343,8 @@ class Supervisor:
             return 0
         finally:
             await self.stop()
-            if self.owner is not None:
-                await self.owner.close()
+            if self.server is not None:
+                await self.server.close()
             for t in watchers:
                 t.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)
@@ -396,13 +396,13 @@ def without_workers_flag(argv: list[str]) -> list[str]:
 
 
 def run(argv: list[str], n: int, drain_s: float) -> int:
-    return asyncio.run(Supervisor(without_workers_flag(argv), n, drain_s).run(check_ready=True))
+    return asyncio.run(ProcessGroup(without_workers_flag(argv), n, drain_s).run(check_ready=True))
 
 
 async def orphaned(group: Group, stop: asyncio.Event, every_s: float = 1.0) -> None:
     """In a gateway process: set ``stop`` once its supervisor is gone (its parent is no longer the pid the
     supervisor gave: also right when it died before this process got this far). The first process to see it
-    removes the group's directory (the records, the owner's token)."""
+    removes the group's directory (the records, the supervisor's token)."""
     parent = group.supervisor or os.getppid()
     while not stop.is_set():
         if os.getppid() != parent:

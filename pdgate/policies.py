@@ -403,12 +403,16 @@ def make(name: str, cfg: RoutingConfig | None = None) -> Policy:
 
 
 def select_pair(prefills: Sequence[W], decodes: Sequence[W], prefill_policy: Policy, decode_policy: Policy,
-                avoid: frozenset[int] = frozenset(), req: RequestView = NO_REQUEST) -> tuple[W, W] | None:
-    """Pick a (prefill, decode) pair; workers whose id() is in ``avoid`` are used only if nothing else is left."""
+                avoid: frozenset[int] = frozenset(), req: RequestView = NO_REQUEST,
+                same: Callable[[W, W], bool] | None = None) -> tuple[W, W] | None:
+    """Pick a (prefill, decode) pair; workers whose id() is in ``avoid`` are used only if nothing else is left;
+    with ``same``, a decode that ``same(prefill, decode)`` says goes with the prefill picked."""
     def pool(ws: Sequence[W]) -> Sequence[W]:
         fresh = [w for w in ws if id(w) not in avoid]
         return fresh or ws
 
     p = prefill_policy.pick(pool(prefills), req)
-    d = decode_policy.pick(pool(decodes), req) if p is not None else None
-    return None if p is None or d is None else (p, d)
+    if p is None:
+        return None
+    d = decode_policy.pick(pool(decodes if same is None else [d for d in decodes if same(p, d)]), req)
+    return None if d is None else (p, d)

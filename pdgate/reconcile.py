@@ -1,14 +1,14 @@
 """Reconciliation: the gateway and the engines agree on the set of live requests.
 
-Every rid pdgate issues is ``pdg-<instance>-<seq><random>.<attempt>``: the instance id tags its owner.
-Each ``reconcile.interval_s``, per worker:
+Every rid pdgate issues names the gateway instance that owns it (``pdgate.rid``). Each ``reconcile.interval_s``,
+per worker, through its engine adapter:
 
-- **exact mode** (the worker offers ``GET /pdgate/v1/requests``): a rid older than
+- **exact mode** (the engine lists the rids it holds: ``Engine.held``): a rid older than
   ``grace_s`` is an *orphan* when its owner is this instance and it is not the current
   attempt of a live request (finished, retried away, or its abort was lost), or when its
   owner is another instance whose lease has lapsed. Orphans are aborted by rid.
-- **count mode** (plain SGLang): the engine's queue counts (``/v1/loads?include=disagg``)
-  against our live count on that worker; an excess seen ``drift_checks`` times in a row is
+- **count mode** (an engine that lists nothing, as plain SGLang): the engine's count of what it holds in the
+  queues of the worker's role (``Probe.held``, from the last health check) against our live count on it; an excess seen ``drift_checks`` times in a row is
   drift: the aborts of the worker's recently ended rids are sent again, and drift is shown.
   Count mode cannot tell our requests from others' and never aborts anything it cannot name.
 
@@ -25,29 +25,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
+from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pdgate import protocol
-from pdgate.gateway import Gateway
-from pdgate.workers import Worker
+from pdgate.config import GatewayConfig
+from pdgate.metrics import Metrics
+from pdgate.rid import Rid
+from pdgate.traces import Traces
+from pdgate.upstream import Upstream
+from pdgate.workers import Pool, Worker
 
 log = logging.getLogger("pdgate.reconcile")
-RID = re.compile(r"^pdg-([0-9a-f]+)-[0-9a-f]{24}\.[1-9]$")
-PREFILL_COUNTS = ("prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs")
-DECODE_COUNTS = ("decode_prealloc_queue_reqs", "decode_transfer_queue_reqs", "num_running_reqs")
-
-
-def owner(rid: str) -> str | None:
-    m = RID.match(rid)
-    return m.group(1) if m else None
 
 
 class Reconciler:
-    def __init__(self, gw: Gateway) -> None:
-        self.gw = gw
-        self.cfg = gw.cfg.reconcile
+    def __init__(self, cfg: GatewayConfig, instance: str, pool: Pool, traces: Traces, metrics: Metrics,
+                 recent: deque[tuple[str, str, float]], upstream: Upstream, clock: Callable[[], float]) -> None:
+        self.gcfg, self.cfg = cfg, cfg.reconcile
+        self.instance, self.pool, self.traces, self.metrics = instance, pool, traces, metrics
+        self.recent, self.upstream, self.clock = recent, upstream, clock
         self.seen: dict[str, float] = {}  # instance id -> last time it was known alive
         self.drift_runs: dict[str, int] = {}
         self.drift_since: dict[str, float] = {}
@@ -56,16 +53,16 @@ class Reconciler:
 
     # ---- facts ------------------------------------------------------------------------
     def live_rids(self) -> set[str]:
-        return {r.attempts[-1].rid for r in self.gw.traces.live.values() if r.attempts}
+        return {r.attempts[-1].rid for r in self.traces.live.values() if r.attempts}
 
     async def refresh_leases(self) -> None:
-        now = self.gw.now()
-        self.seen[self.gw.instance] = now
+        now = self.clock()
+        self.seen[self.instance] = now
         for inst in self.siblings():
             self.seen[inst] = now
-        for peer in self.gw.cfg.peers:
+        for peer in self.gcfg.peers:
             try:
-                status, body = await self.gw.up().get_json(peer.rstrip("/") + "/v1/lease", 2.0)
+                status, body = await self.upstream.get_json(peer.rstrip("/") + "/v1/lease", 2.0)
             except OSError:
                 continue
             if status == 200 and isinstance(body, dict) and isinstance(body.get("instance"), str):
@@ -76,59 +73,53 @@ class Reconciler:
 
     def lapsed(self, inst: str) -> bool:
         """Whether another instance's lease has lapsed; first sight of an instance starts its clock."""
-        if inst == self.gw.instance:
+        if inst == self.instance:
             return False
-        now = self.gw.now()
+        now = self.clock()
         return now - self.seen.setdefault(inst, now) >= self.cfg.lease_s
 
     # ---- one pass --------------------------------------------------------------------------
     async def run_once(self) -> None:
         await self.refresh_leases()
-        await asyncio.gather(*(self.check(w) for w in list(self.gw.pool.by_id.values()) if w.healthy))
+        await asyncio.gather(*(self.check(w) for w in list(self.pool.by_id.values()) if w.healthy))
 
     async def check(self, w: Worker) -> None:
-        if w.has_extension:
+        if w.info.lists_rids:
             await self.exact(w)
         else:
             await self.count(w)
 
     async def exact(self, w: Worker) -> None:
-        try:
-            status, body = await self.gw.up().get_json(w.url + protocol.EXT_REQUESTS_PATH, 2.0)
-        except OSError:
-            return
-        if status != 200 or not isinstance(body, dict):
+        held = await w.engine.held(w.url, 2.0)
+        if held is None:
             return
         live = self.live_rids()
         orphans = []
-        for r in body.get("requests", []):
-            rid = str(r.get("rid", ""))
-            age = float(r.get("age_s", r.get("since_s", 0.0)))
-            inst = owner(rid)
-            if inst is None or age < self.cfg.grace_s:
+        for h in held:
+            rid = Rid.parse(h.rid)
+            if rid is None or not rid.attempt or h.age_s < self.cfg.grace_s:
                 continue
-            if (inst == self.gw.instance and rid not in live) or self.lapsed(inst):
-                orphans.append((rid, r.get("queue"), age))
+            if (rid.instance == self.instance and h.rid not in live) or self.lapsed(rid.instance):
+                orphans.append(h)
         w.orphans = len(orphans)
-        self.gw.metrics.orphans.labels(w.id).set(len(orphans))
-        for rid, queue, age in orphans:
-            log.warning("orphan on %s: rid=%s queue=%s age=%.1fs -> abort", w.id, rid, queue, age)
-            await self.abort(w, rid, "exact")
+        self.metrics.orphans.labels(w.id).set(len(orphans))
+        for h in orphans:
+            log.warning("orphan on %s: rid=%s queue=%s age=%.1fs -> abort", w.id, h.rid, h.queue, h.age_s)
+            await self.abort(w, h.rid, "exact")
 
     async def count(self, w: Worker) -> None:
-        keys = PREFILL_COUNTS if w.role == "prefill" else DECODE_COUNTS
-        held = sum(int(w.engine.get(k) or 0) for k in keys)
+        held = w.info.held or 0
         excess = held - w.load
         w.drift = max(0, excess)
-        self.gw.metrics.drift.labels(w.id).set(w.drift)
+        self.metrics.drift.labels(w.id).set(w.drift)
         runs = self.drift_runs[w.id] = self.drift_runs.get(w.id, 0) + 1 if excess > 0 else 0
         if runs == 1:
-            self.drift_since[w.id] = self.gw.now()
+            self.drift_since[w.id] = self.clock()
         if runs < self.cfg.drift_checks:
             return
         # rids that ended up to a health refresh and a pass before the excess was first seen
-        since = self.drift_since[w.id] - (self.cfg.interval_s + self.gw.cfg.health.interval_s + self.cfg.grace_s)
-        rids = [rid for wid, rid, ended in self.gw.recent if wid == w.id and ended >= since]
+        since = self.drift_since[w.id] - (self.cfg.interval_s + self.gcfg.health.interval_s + self.cfg.grace_s)
+        rids = [rid for wid, rid, ended in self.recent if wid == w.id and ended >= since]
         if rids:
             log.warning("drift on %s: engine holds %d, we hold %d; re-aborting %d recent rids", w.id, held, w.load, len(rids))
         for rid in rids:
@@ -137,16 +128,16 @@ class Reconciler:
 
     async def abort(self, w: Worker, rid: str, mode: str) -> None:
         try:
-            await self.gw.up().abort(w.url, rid)
+            await w.engine.abort(w.url, rid)
             result = "ok"
         except OSError:
             result = "error"
-        self.gw.metrics.reconcile_aborts.labels(w.id, mode).inc()
-        rec = self.gw.traces.get(rid.rsplit(".", 1)[0])
+        self.metrics.reconcile_aborts.labels(w.id, mode).inc()
+        rec = self.traces.get(rid)
         if rec is not None:
             for a in rec.attempts:
                 if a.rid == rid:
-                    a.event(self.gw.now(), "reconcile_abort", f"{w.role} {w.id}: {mode} {result}")
+                    a.event(self.clock(), "reconcile_abort", f"{w.role} {w.id}: {mode} {result}")
 
     async def run(self) -> None:
         while True:
@@ -157,5 +148,5 @@ class Reconciler:
                 log.exception("reconcile pass failed")
 
 
-def lease(gw: Gateway) -> dict[str, Any]:
-    return {"instance": gw.instance, "lease_s": gw.cfg.reconcile.lease_s}
+def lease(instance: str, lease_s: float) -> dict[str, Any]:
+    return {"instance": instance, "lease_s": lease_s}

@@ -1,8 +1,13 @@
-"""The request record: one per client request, pure data plus one transition function.
+"""The request record: one per client request, pure data plus its transition functions
+(``docs/architecture.md``, "The request record").
 
-Every phase change goes through ``transition()``, which checks the move against
-``ALLOWED``, stamps the time and hands the change to the observers (metrics, traces).
-No I/O here; time comes from the caller's clock.
+Every phase change goes through ``transition()``, which checks the move against ``ALLOWED``, stamps the time
+and hands the change to the observers (metrics, traces, admission's rates). ``first_token()`` is the one
+other change the request path makes: it says whether the watchdog must re-arm. No I/O here; time comes from
+the caller's clock.
+
+The gateway sees a prefill and its KV transfer as one span (the prefill answers once the transfer is over),
+so there is no transfer phase: ``prefill`` is shown as ``prefill+transfer``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ class Phase(enum.Enum):
     QUEUED = "queued"
     DISPATCHED = "dispatched"
     PREFILL = "prefill"
-    TRANSFER = "transfer"
     DECODE = "decode"
     COMPLETED = "completed"
     FAILED = "failed"
@@ -34,14 +38,13 @@ class Phase(enum.Enum):
 
 
 TERMINAL = frozenset({Phase.COMPLETED, Phase.FAILED, Phase.ABORTED, Phase.DEADLINE_EXCEEDED})
-LIVE = (Phase.QUEUED, Phase.DISPATCHED, Phase.PREFILL, Phase.TRANSFER, Phase.DECODE)
+LIVE = (Phase.QUEUED, Phase.DISPATCHED, Phase.PREFILL, Phase.DECODE)
 
 ALLOWED: dict[Phase, frozenset[Phase]] = {
     Phase.QUEUED: frozenset({Phase.DISPATCHED, *TERMINAL} - {Phase.COMPLETED}),
     # a retry goes back to DISPATCHED with a new attempt
     Phase.DISPATCHED: frozenset({Phase.DISPATCHED, Phase.PREFILL, *TERMINAL} - {Phase.COMPLETED}),
-    Phase.PREFILL: frozenset({Phase.DISPATCHED, Phase.TRANSFER, Phase.DECODE, *TERMINAL}),
-    Phase.TRANSFER: frozenset({Phase.DISPATCHED, Phase.DECODE, *TERMINAL}),
+    Phase.PREFILL: frozenset({Phase.DISPATCHED, Phase.DECODE, *TERMINAL}),
     Phase.DECODE: frozenset({Phase.DISPATCHED, *TERMINAL}),
     **{t: frozenset() for t in TERMINAL},
 }
@@ -54,6 +57,9 @@ class IllegalTransition(Exception):
 
 @dataclass(slots=True)
 class Attempt:
+    """One try on a (prefill, decode) pair. What its legs did is in fields (the request path decides by them);
+    ``events`` is what happened when, for traces only."""
+
     n: int
     rid: str
     prefill: str
@@ -63,9 +69,24 @@ class Attempt:
     events: list[tuple[float, str, Any]] = field(default_factory=list)
     error: str | None = None
     first_token: bool = False  # this attempt produced a token (its decode has the KV)
+    prefill_answered: bool = False  # the prefill leg's answer came (any status)
+    transferred: bool = False  # the prefill answered 200: the KV transfer reached Success
+    decode_answered: bool = False  # the decode leg's status line came
+    # "sent", then the engine's answer ("ok", "http_<status>", "error"); None: never aborted
+    prefill_abort: str | None = None
+    decode_abort: str | None = None
 
     def event(self, t: float, name: str, info: Any = None) -> None:
         self.events.append((t, name, info))
+
+    def answered(self, role: str) -> bool:
+        return self.prefill_answered if role == "prefill" else self.decode_answered
+
+    def aborting(self, role: str, state: str) -> None:
+        if role == "prefill":
+            self.prefill_abort = state
+        else:
+            self.decode_abort = state
 
 
 @dataclass(slots=True)
@@ -121,10 +142,12 @@ class Record:
     prompt_tokens: int | None = None
     bytes_sent: bool = False  # the client has received bytes: no more retries
     cause: str | None = None  # why it ended early (scope.Cause value: deadline, drain, client_gone, ...)
+    budget: str | None = None  # the budget that ended it, when a deadline did (total, ttft, idle)
     tenant: str | None = None  # the client key's name (None: an open front door)
     priority: str = "normal"  # the key's priority class
     dispatched_at: float | None = None  # its latest attempt's start (admission's first-token estimate)
-    estimate: int = 0  # prompt tokens charged to the key's tokens_per_min at admission (settled at the end)
+    estimate: int = 0  # tokens charged to the key's tokens_per_min at admission (settled at the end)
+    cached_tokens: int | None = None  # of the prompt, found in the prefill's cache (as the engine reports it)
 
     def __post_init__(self) -> None:
         self.phase_since = self.created
@@ -161,6 +184,19 @@ def transition(rec: Record, to: Phase, now: float, observers: tuple[Observer, ..
     for obs in observers:
         obs(rec, frm, to, now - rec.phase_since)
     rec.phase_since = now
+
+
+def first_token(rec: Record, now: float, observers: tuple[Observer, ...] = ()) -> bool:
+    """A token reached the client (a stream's first event, a non-streaming request's prefill answer): the
+    attempt is marked, the request moves to decode. True the first time for the request: the budget due next
+    moved earlier (TTFT to idle, or to total), and the watchdog must re-arm."""
+    rec.attempts[-1].first_token = True
+    first = rec.first_token_at is None
+    if first:
+        rec.first_token_at = now
+    if rec.phase is Phase.PREFILL:
+        transition(rec, Phase.DECODE, now, observers)
+    return first
 
 
 def phase_label(phase: Phase) -> str:

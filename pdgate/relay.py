@@ -12,26 +12,30 @@ gateway writes itself (deadline, drain, a decode that died) land in the middle o
 and the client would get neither.
 
 The relay runs inside the upstream connection's ``data_received`` (``resp.pipe``): one client
-write per engine read and no task switch per token.
+write per engine read and no task switch per token. It opens the client's stream itself, at the first event.
+How an engine's terminal events look is its adapter's (``Engine.done_event``, ``error_event``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from h1lite.client import Response as UpstreamResponse
+from h1lite.client import ClientResponse
 from pdgate.errors import UpstreamError, UpstreamStatus, detail_of
+from pdgate.record import Observer, first_token
 from pdgate.workers import State
 
 DEGRADED = State.DEGRADED
 
 if TYPE_CHECKING:
-    from pdgate.proxy import Ctx
+    from pdgate.context import Ctx
     from pdgate.record import Attempt
     from pdgate.workers import Worker
 
 ERROR = b'data: {"error"'
 DONE = b"data: [DONE]"
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 class Framer:
@@ -40,9 +44,11 @@ class Framer:
     an error nor ``[DONE]``), ``error`` / ``first_error`` (an error event among them / as the very
     first event of the stream), ``done`` (the ``[DONE]`` event came; nothing after it is passed on)."""
 
-    __slots__ = ("done", "done_ev", "error", "error_ev", "first_error", "sep", "sep_done", "tail", "tokens")
+    __slots__ = ("done", "done_ev", "done_mark", "error", "error_ev", "error_mark", "first_error", "sep", "sep_done",
+                 "tail", "tokens")
 
-    def __init__(self) -> None:
+    def __init__(self, done: bytes = DONE, error: bytes = ERROR) -> None:
+        self.done_mark, self.error_mark = done, error
         self.tail = b""
         self.sep = b""  # b"\n\n" or b"\r\n\r\n", fixed by the first event
         # made once with the separator (every read is looked at for them): an error event after another event,
@@ -73,28 +79,28 @@ class Framer:
                 return b""
             end += len(sep)
             chunk, self.tail = chunk[:end], chunk[end:]
-        if DONE in chunk:  # a cheap look first: is there anything like [DONE] at all
+        if self.done_mark in chunk:  # a cheap look first: is there anything like [DONE] at all
             done_at = self._done_at(chunk)
             if done_at >= 0:
                 self.done = True
                 self.tail = b""
                 chunk = chunk[:done_at]
                 errors = self._errors(chunk)
-                self.first_error = first and chunk.startswith(ERROR)
+                self.first_error = first and chunk.startswith(self.error_mark)
                 self.error = errors > 0
                 self.tokens = chunk.count(sep) - errors - 1
                 return chunk
         errors = self._errors(chunk)
         if errors:
-            self.first_error = first and chunk.startswith(ERROR)
+            self.first_error = first and chunk.startswith(self.error_mark)
             self.error = True
         self.tokens = chunk.count(sep) - errors
         return chunk
 
     def _errors(self, chunk: bytes) -> int:
-        if ERROR not in chunk:  # a cheap look first (a scan in C), as for [DONE]
+        if self.error_mark not in chunk:  # a cheap look first (a scan in C), as for [DONE]
             return 0
-        return chunk.count(self.error_ev) + chunk.startswith(ERROR)
+        return chunk.count(self.error_ev) + chunk.startswith(self.error_mark)
 
     def _sep(self, data: bytes) -> bytes:
         lf, crlf = data.find(b"\n\n"), data.find(b"\r\n\r\n")
@@ -103,7 +109,7 @@ class Framer:
         elif lf >= 0:
             self.sep = b"\n\n"
         if self.sep:
-            self.error_ev, self.done_ev = self.sep + ERROR, DONE + self.sep
+            self.error_ev, self.done_ev = self.sep + self.error_mark, self.done_mark + self.sep
             self.sep_done = self.sep + self.done_ev
         return self.sep
 
@@ -116,12 +122,14 @@ class Framer:
 
 
 class Relay:
-    __slots__ = ("att", "clock", "ctx", "framer", "upstream", "w")
+    __slots__ = ("att", "clock", "ctx", "framer", "transitions", "upstream", "w")
 
-    def __init__(self, ctx: Ctx, att: Attempt, w: Worker, upstream: UpstreamResponse) -> None:
+    def __init__(self, ctx: Ctx, att: Attempt, w: Worker, upstream: ClientResponse, clock: Callable[[], float],
+                 transitions: tuple[Observer, ...]) -> None:
         self.ctx, self.att, self.w, self.upstream = ctx, att, w, upstream
-        self.framer = Framer()
-        self.clock = ctx.gw.clock  # the gateway's clock, one call per read (Gateway.now would be two)
+        self.framer = Framer(w.engine.done_event, w.engine.error_event)
+        self.clock = clock  # one call per read
+        self.transitions = transitions  # the record's observers (the first token moves it to decode)
 
     def feed(self, chunk: bytes) -> None:
         fr = self.framer
@@ -136,9 +144,12 @@ class Relay:
                 detail = detail_of(events[6:].split(fr.sep, 1)[0])
                 raise UpstreamStatus(f"decode worker {w.id} failed: {detail}", role="decode", worker=w.id,
                                      upstream_status=500)
+            rec = ctx.rec
             self.att.event(now, "first_token")
-            ctx.first_token(now)
-            out = ctx.start_stream()
+            if first_token(rec, now, self.transitions):
+                ctx.watchdog.rearm()  # the budget due next is now idle, not TTFT
+            rec.bytes_sent = True
+            out = ctx.resp = ctx.request.open_stream(200, {**SSE_HEADERS, "x-request-id": rec.id})
         if fr.error:
             ctx.stream_error = "decode reported an error mid-stream"
         if fr.tokens:
@@ -154,11 +165,12 @@ class Relay:
             out.on_writable(self.upstream.resume)
 
 
-async def relay_stream(ctx: Ctx, att: Attempt, w: Worker, resp: UpstreamResponse) -> None:
+async def relay_stream(ctx: Ctx, att: Attempt, w: Worker, resp: ClientResponse, clock: Callable[[], float],
+                       transitions: tuple[Observer, ...]) -> None:
     """Relay decode's SSE events as they come; when the client's socket is full, reading from the
     decode pauses until it drains. A stream that ends before ``[DONE]`` is a failed leg."""
-    relay = Relay(ctx, att, w, resp)
+    relay = Relay(ctx, att, w, resp, clock, transitions)
     await resp.pipe(relay.feed)
-    att.event(ctx.gw.now(), "decode_done", ctx.rec.chunks)
+    att.event(clock(), "decode_done", ctx.rec.chunks)
     if not relay.framer.done:
         raise UpstreamError(f"decode worker {w.id} closed the stream before [DONE]", role="decode", worker=w.id)

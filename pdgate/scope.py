@@ -13,15 +13,22 @@ cancellation into ``Cancelled`` only when it was the only canceller; when the re
 cancelled as well, the cancellation passes on to the request's scope, whose reason then wins.
 Each scope takes back exactly the one cancellation it issued (``Task.uncancel``), whatever
 else happened, so an outer ``task.cancel()`` (the gateway stopping) is never swallowed.
+
+Here too: the request's deadline ``Watchdog`` (the one timer that cancels its scope with ``Cause.DEADLINE``)
+and ``Tasks``, the background work the gateway owns.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import logging
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
+
+log = logging.getLogger("pdgate")
 
 
 class Cause(enum.Enum):
@@ -99,3 +106,74 @@ class Scope:
             if typ is asyncio.CancelledError and task.cancelling() == 0:
                 assert self.reason is not None
                 raise Cancelled(self.reason) from None
+
+
+class Watchdog:
+    """Cancels a request's scope when the budget due next runs out (``due``: ``Record.due``).
+
+    One timer per request, armed at the next due time. Tokens never touch it: the idle budget only moves later
+    with each token, so a timer that fires early re-arms itself at the new due time. The one move earlier, from
+    TTFT to idle at the first token, re-arms it (``rearm``, when ``record.first_token`` says so)."""
+
+    __slots__ = ("at", "clock", "due", "handle", "loop", "offset", "scope")
+
+    def __init__(self, scope: Scope, due: Callable[[], tuple[str, float]], clock: Callable[[], float]) -> None:
+        self.scope, self.due, self.clock = scope, due, clock
+        self.loop = asyncio.get_running_loop()
+        self.handle: asyncio.TimerHandle | None = None
+        self.offset = self.loop.time() - clock()  # record clock -> loop clock
+        self.at = 0.0  # when the timer fires (record clock)
+
+    def arm(self) -> None:
+        self.at = self.due()[1]
+        self.handle = self.loop.call_at(self.at + self.offset, self._fire)
+
+    def rearm(self) -> None:
+        """The due time may have moved earlier (the first token: TTFT -> idle): set the timer there."""
+        if self.handle is not None and self.due()[1] < self.at:
+            self.handle.cancel()
+            self.arm()
+
+    def _fire(self) -> None:
+        kind, when = self.due()
+        if when > self.clock():
+            self.at = when
+            self.handle = self.loop.call_at(when + self.offset, self._fire)
+            return
+        self.handle = None
+        self.scope.cancel(Reason(Cause.DEADLINE, budget=kind))
+
+    def disarm(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+    def __enter__(self) -> Watchdog:
+        self.arm()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.disarm()
+
+
+class Tasks:
+    """Background work the gateway owns (aborts, a prefill's tail): a failure is logged, and ``stop`` awaits
+    what is still running (bounded), never only cancels it."""
+
+    def __init__(self) -> None:
+        self.running: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.running.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self.running.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed: %r", task.exception())
+
+    async def stop(self, timeout_s: float) -> None:
+        if self.running:
+            await asyncio.wait(list(self.running), timeout=timeout_s)

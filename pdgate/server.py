@@ -8,13 +8,13 @@
   behind the admin key when one is configured (401 without, 403 with any other key); it may be open only on
   loopback or a Unix socket (``config`` refuses the rest). Changes are audited (``admin.py``).
 
-Middleware wraps each plane's dispatch (``chain``): authentication (client key -> tenant), the tenant's
-limits; admission control and an access log have their place in the same chain.
+Middleware wraps each plane's dispatch (``chain``): the access log's line for a refusal, authentication (client
+key -> tenant) and the tenant's limits. Admission control is the request path's own first stage
+(``pdgate.admission``), not middleware: it needs the parsed body and opens the request's record.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import functools
@@ -24,33 +24,26 @@ import resource
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from h1lite.errors import HTTPError
 from h1lite.server import Request, Response, Router, Server, Stream, json_response
-from pdgate import access_log, admin, dashboard, health, multi, proxy, reconcile, siblings, validation
+from pdgate import access_log, admin, dashboard, multi, reconcile, siblings, validation
 from pdgate.auth import Admin, Tenant, bearer
-from pdgate.config import ConfigError, GatewayConfig, WorkerSpec, is_loopback, worker_hosts_allowed
+from pdgate.config import ConfigError, GatewayConfig, is_loopback
+from pdgate.control import Control, WorkerSupervisor
 from pdgate.errors import Forbidden, RateLimited, Unauthorized, one_line
 from pdgate.gateway import Gateway
 
 log = logging.getLogger("pdgate.server")
 
 
-class Owner(Protocol):
-    """The supervisor of the workers, when this gateway runs them (``pdgate up``)."""
-
-    async def restart_url(self, url: str) -> dict[str, Any]: ...
-
-    async def view(self) -> list[dict[str, Any]]: ...
-
-
 # ---- front ---------------------------------------------------------------------------------
-async def models(app: App, request: Request) -> Response:
-    served = app.gw.known_models()
+async def models(ctl: Control, request: Request) -> Response:
+    served = ctl.gw.pool.models()
     tenant = request.state
     if isinstance(tenant, Tenant) and tenant.models:
         served = served & tenant.models  # a key sees the models it may use
@@ -58,12 +51,12 @@ async def models(app: App, request: Request) -> Response:
     return json_response({"object": "list", "data": data})
 
 
-async def liveness(app: App, request: Request) -> Response:
+async def liveness(ctl: Control, request: Request) -> Response:
     return json_response({"status": "ok"})
 
 
-async def readiness(app: App, request: Request) -> Response:
-    gw = app.gw
+async def readiness(ctl: Control, request: Request) -> Response:
+    gw = ctl.gw
     now = gw.now()
     ready = gw.pool.ready(now)
     body = {"ready": ready, "prefill_available": len(gw.pool.available("prefill", now)),
@@ -71,15 +64,15 @@ async def readiness(app: App, request: Request) -> Response:
     return json_response(body, 200 if ready else 503)
 
 
-async def lease(app: App, request: Request) -> Response:
-    return json_response(reconcile.lease(app.gw))
+async def lease(ctl: Control, request: Request) -> Response:
+    return json_response(reconcile.lease(ctl.gw.instance, ctl.cfg.reconcile.lease_s))
 
 
-async def metrics(app: App, request: Request) -> Response:
-    return Response(app.gw.metrics.render(), content_type=CONTENT_TYPE_LATEST)
+async def metrics(ctl: Control, request: Request) -> Response:
+    return Response(ctl.gw.metrics.render(), content_type=CONTENT_TYPE_LATEST)
 
 
-async def operator_only(app: App, request: Request) -> Response:
+async def operator_only(ctl: Control, request: Request) -> Response:
     """An operator path asked at the front door: never served here, whatever the key."""
     if "authorization" in request.headers:
         raise Forbidden(f"{request.path} is served on the admin plane only")
@@ -194,7 +187,7 @@ def admin_keys(app: App) -> Middleware:
             if keys is None:
                 why = from_a_browser(request, admin_host)
                 if why is not None:
-                    admin.audit(app, request, "denied", one_line(f"{request.method}:{request.path}", 100), 403)
+                    admin.audit(app.control, request, "denied", one_line(f"{request.method}:{request.path}", 100), 403)
                     raise Forbidden(f"refused: {why} (an admin plane without an admin key answers local tools only)")
                 request.state = LOCAL
                 return await nxt(request)
@@ -204,7 +197,8 @@ def admin_keys(app: App) -> Middleware:
                 err: Unauthorized | Forbidden = (Unauthorized("the admin plane needs the admin key (Authorization: "
                                                               "Bearer <admin key>)") if token is None
                                                  else Forbidden("not an admin key"))
-                admin.audit(app, request, "denied", one_line(f"{request.method}:{request.path}", 100), err.status)
+                admin.audit(app.control, request, "denied", one_line(f"{request.method}:{request.path}", 100),
+                            err.status)
                 raise err
             request.state = who
             return await nxt(request)
@@ -224,31 +218,25 @@ FRONT: list[tuple[str, str, Any]] = [
 
 
 class App:
-    """The gateway with its routes, background tasks and (under ``pdgate up``) the owner of its workers."""
+    """The gateway's two listeners with their routes and middleware, and its lifecycle."""
 
-    def __init__(self, cfg: GatewayConfig, gateway: Gateway | None = None, owner: Owner | None = None) -> None:
-        self.group = multi.Group.from_env()  # one of several processes on one port (``pdgate serve --workers N``)
-        if self.group is not None and gateway is None:  # an instance id of its own: rids stay unique
+    def __init__(self, cfg: GatewayConfig, gateway: Gateway | None = None,
+                 supervisor: WorkerSupervisor | None = None) -> None:
+        group = multi.Group.from_env()  # one of several processes on one port (``pdgate serve --workers N``)
+        if group is not None and gateway is None:  # an instance id of its own: rids stay unique
             cfg = dataclasses.replace(cfg, instance_id=(cfg.instance_id or "")[:8] + secrets.token_hex(4))
         self.cfg = cfg
         self.gw = gateway or Gateway(cfg)
-        self.siblings = siblings.Siblings(self, self.group) if self.group is not None else None
-        self.draining = False
-        self.owner = owner or multi.RemoteOwner.of(self.group)  # the workers' supervisor, maybe in the parent
-        self.health_tasks: dict[str, asyncio.Task[None]] = {}
-        self.reconciler = reconcile.Reconciler(self.gw)
-        if self.group is not None:
-            group = self.group
-            self.reconciler.siblings = lambda: [str(m["instance"]) for m in group.members()]
-        self.rec_task: asyncio.Task[None] | None = None
-        self.worker_hosts = worker_hosts_allowed(cfg)
-        self.registering: set[tuple[str, str]] = set()  # (role, url) of registrations being probed
+        self.group = group
+        self.control = ctl = Control(self.gw, group, supervisor or multi.RemoteSupervisor.of(group))
+        ctl.own_urls = self.own_urls
+        self.siblings = siblings.Siblings(self.gw.instance, cfg.health.timeout_s, group) if group is not None else None
         self.router = front = Router()
         for route in GENERATION:
-            front.add("POST", route, functools.partial(self.generate, route))
+            front.add("POST", route, functools.partial(self.gw.pipeline.handle, route=route))
 
         def on(plane: str, method: str, path: str, handler: Any) -> siblings.Handler:
-            return siblings.fanned(self, plane, method, path, functools.partial(handler, self))
+            return siblings.fanned(self.siblings, plane, method, path, functools.partial(handler, ctl))
 
         for method, path, handler in FRONT:
             front.add(method, path, on("front", method, path, handler))
@@ -262,12 +250,12 @@ class App:
             if path in admin.REQUEST_PATHS:
                 front.add(method, path, on("front", method, path, h))  # a client key's own requests
             else:
-                front.add(method, path, functools.partial(operator_only, self))
+                front.add(method, path, functools.partial(operator_only, ctl))
                 self.operator_paths.add(path)
         if cfg.metrics_on_front:
             front.add("GET", "/metrics", on("front", "GET", "/metrics", metrics))
         else:
-            front.add("GET", "/metrics", functools.partial(operator_only, self))
+            front.add("GET", "/metrics", functools.partial(operator_only, ctl))
             self.operator_paths.add("/metrics")
         chain_of: list[Middleware] = [refusals_logged(self)] if cfg.access_log else []
         if self.gw.tenants is not None:
@@ -280,7 +268,7 @@ class App:
         self.private = {"front": Server(dispatch, cfg.max_body_bytes, cfg.keepalive_s, cfg.head_timeout_s,
                                         cfg.body_timeout_s),
                         "admin": Server(admin_dispatch, 1 << 20, cfg.keepalive_s, cfg.head_timeout_s,
-                                        cfg.body_timeout_s)} if self.group is not None else {}
+                                        cfg.body_timeout_s)} if group is not None else {}
         if self.gw.tenants is not None:
             self.gw.metrics.add_collector(self._tenant_gauges)
 
@@ -310,22 +298,9 @@ class App:
             return f"unix:{self.cfg.admin_socket}"
         return f"http://{self.cfg.admin_host}:{self.admin.port}"
 
-    def generate(self, route: str, request: Request) -> Awaitable[Response | Stream]:
-        return proxy.handle(self.gw, request, route)
-
-    def start_health(self, wid: str) -> None:
-        self.health_tasks[wid] = asyncio.get_running_loop().create_task(health.run(self.gw, self.gw.pool.by_id[wid]))
-
     async def start(self, host: str, port: int) -> None:
         raise_fd_limit()
-        gw = self.gw
-        await gw.start()
-        self.adopt_workers()
-        await asyncio.gather(*(health.check(gw, w) for w in gw.pool.by_id.values()))
-        for wid in list(gw.pool.by_id):
-            self.start_health(wid)
-        if gw.cfg.reconcile.enabled:
-            self.rec_task = asyncio.get_running_loop().create_task(self.reconciler.run())
+        await self.control.start()
         c = self.cfg
         shared = self.group is not None  # SO_REUSEPORT: the group's processes listen on the same ports
         try:
@@ -335,59 +310,25 @@ class App:
                 await self.listen("--admin-port", c.admin_port, self.admin.start(c.admin_host, c.admin_port,
                                                                                  reuse_port=shared))
             await self.listen("--port", port, self.server.start(host, port, reuse_port=shared))
-            for srv in self.private.values():
+            for plane, srv in self.private.items():
                 await srv.start("127.0.0.1", 0)
+                self.control.private[plane] = srv.port
         except ConfigError:
             await self.cleanup()  # what started before the refusal stops with it
             raise
-        self.announce()
-        warning = open_front_door(host, gw.tenants is not None)
+        self.control.announce()
+        warning = open_front_door(host, self.gw.tenants is not None)
         if warning:
             log.warning(warning)
-        log.info("admin plane on %s (%s)", self.admin_url, "admin key required" if gw.admins else "open: loopback only")
-
-    def announce(self) -> None:
-        """A process of a group: its record file (``pdgate.multi``), with the workers it routes to, so that a
-        sibling started later (or restarted) routes to the same ones."""
-        if self.group is None:
-            return
-        self.group.announce({"instance": self.gw.instance, "changed": time.time(), "draining": self.draining,
-                             "workers": [{"id": w.id, "role": w.role, "url": w.url,
-                                          "bootstrap_port": w.spec.bootstrap_port}
-                                         for w in self.gw.pool.by_id.values()],
-                             "next_ids": self.gw.pool.next_ids,
-                             **{plane: f"http://127.0.0.1:{srv.port}" for plane, srv in self.private.items()}})
-
-    def adopt_workers(self) -> None:
-        """Before it listens, a process of a group routes to the workers its siblings route to: those registered
-        or removed on the admin plane since the config was written (the sibling that changed last knows)."""
-        if self.group is None:
-            return
-        latest = max(self.group.siblings(), key=lambda m: float(m.get("changed") or 0), default=None)
-        if latest is None or not isinstance(latest.get("workers"), list):
-            return
-        theirs = {(w.get("role"), w.get("url"), w.get("id")): w for w in latest["workers"] if isinstance(w, dict)}
-        pool = self.gw.pool
-        for w in list(pool.by_id.values()):  # the same workers under the same ids: an id means one worker in all
-            if (w.role, w.url, w.id) not in theirs:
-                pool.remove(w.id, self.gw.now())
-        ours = {(w.role, w.url, w.id) for w in pool.by_id.values()}
-        for key, rec in theirs.items():
-            if key not in ours:
-                try:
-                    pool.add(WorkerSpec(url=rec["url"], role=rec["role"], bootstrap_port=rec.get("bootstrap_port")),
-                             rec["id"])
-                except (ValueError, KeyError, TypeError) as exc:
-                    log.warning("could not adopt the worker %s of a sibling: %s", rec.get("url"), exc)
-        if isinstance(latest.get("next_ids"), dict):
-            pool.continue_ids(latest["next_ids"])
+        log.info("admin plane on %s (%s)", self.admin_url, "admin key required" if self.gw.admins else "open: loopback only")
 
     async def cleanup(self) -> None:
         """Drain: stop accepting, let live requests finish for ``drain_s``, then give each one still
         live its terminal answer (and abort its legs) before the connections close."""
         drain_s = self.cfg.drain_s
-        self.draining = True
-        self.announce()  # still alive while it drains: its siblings must not take its live rids for orphans
+        ctl = self.control
+        ctl.draining = True
+        ctl.announce()  # still alive while it drains: its siblings must not take its live rids for orphans
         await self.server.close(drain_s, lambda: self.gw.drain(f"still live after drain_s={drain_s:g}s"))
         ours = self.admin.server is not None  # the socket file is ours to remove only if we listened on it
         await self.admin.close()
@@ -395,16 +336,12 @@ class App:
             await srv.close()
         if self.siblings is not None:
             self.siblings.close()
-        if isinstance(self.owner, multi.RemoteOwner):
-            self.owner.close()
+        if isinstance(ctl.supervisor, multi.RemoteSupervisor):
+            ctl.supervisor.close()
         if self.cfg.admin_socket and ours:
             with contextlib.suppress(OSError):
                 os.unlink(self.cfg.admin_socket)
-        if self.rec_task is not None:
-            self.rec_task.cancel()
-        for t in self.health_tasks.values():
-            t.cancel()
-        await self.gw.stop()
+        await ctl.stop()
         if self.group is not None:
             self.group.withdraw()  # last: until now its rids were live and its record said so
 
@@ -429,8 +366,8 @@ def raise_fd_limit() -> None:
             log.warning("open files limit stays %d (hard %d): %s", soft, hard, exc)
 
 
-def build_app(cfg: GatewayConfig, gateway: Gateway | None = None, owner: Owner | None = None) -> App:
-    return App(cfg, gateway, owner)
+def build_app(cfg: GatewayConfig, gateway: Gateway | None = None, supervisor: WorkerSupervisor | None = None) -> App:
+    return App(cfg, gateway, supervisor)
 
 
 async def serve(app: App, host: str, port: int) -> App:

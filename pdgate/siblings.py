@@ -30,9 +30,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -42,24 +41,22 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from h1lite.client import Client
 from h1lite.server import Request, Response, Stream, json_response
+from pdgate.admin import Registered
 from pdgate.errors import NoHealthyPair, NotFound, one_line
 from pdgate.multi import Group
-
-if TYPE_CHECKING:
-    from pdgate.server import App
+from pdgate.rid import Rid
 
 log = logging.getLogger("pdgate.siblings")
 LOCAL = "x-pdgate-local"
 WORKER_ID = "x-pdgate-worker-id"  # on a registration a sibling forwards: the id the worker got there
 ASK_S = 3.0
-OWNER = re.compile(r"^pdg-([0-9a-f]{1,16})-")
 Handler = Callable[[Request], Awaitable[Response | Stream]]
 Answer = tuple[str, int, bytes]  # (instance, status: 0 when it did not answer, body)
 
 
 class Siblings:
-    def __init__(self, app: App, group: Group) -> None:
-        self.app, self.group = app, group
+    def __init__(self, instance: str, health_timeout_s: float, group: Group) -> None:
+        self.instance, self.health_timeout_s, self.group = instance, health_timeout_s, group
         self.client = Client(connect_timeout_s=2.0, idle_s=4.0, max_open=16, max_idle=4, max_body=64 << 20)
 
     def others(self, plane: str) -> list[tuple[str, str]]:
@@ -139,14 +136,14 @@ async def requests_list(sib: Siblings, plane: str, request: Request, local: Hand
 
 
 async def by_id(sib: Siblings, plane: str, request: Request, local: Handler) -> Response | Stream:
-    m = OWNER.match(request.match.get("id", ""))
-    inst = m.group(1) if m else None
-    if inst is not None and inst != sib.app.gw.instance and any(i == inst for i, _ in sib.others(plane)):
+    rid = Rid.parse(request.match.get("id", ""))
+    inst = rid.instance if rid is not None else None
+    if inst is not None and inst != sib.instance and any(i == inst for i, _ in sib.others(plane)):
         return _relayed((await sib.ask(plane, request, only=inst))[0])
     try:
         return await local(request)
     except NotFound:
-        if inst == sib.app.gw.instance:
+        if inst == sib.instance:
             raise
         for answer in await sib.ask(plane, request):
             if answer[1] not in (0, 404):
@@ -189,7 +186,7 @@ async def broadcast(sib: Siblings, plane: str, request: Request, local: Handler)
     """A change of workers: made by the group's leader (the live process of the lowest index) first, then by
     every other process with the id it got there. One process names new workers, so two changes at once never
     give one id to two workers; a call that came to another process is handed to the leader."""
-    timeout_s = max(ASK_S, 2 * sib.app.cfg.health.timeout_s + 2)  # a registration probes, then checks
+    timeout_s = max(ASK_S, 2 * sib.health_timeout_s + 2)  # a registration probes, then checks
     members = sib.group.members()
     leader = min(members, key=lambda m: int(m.get("index", 0)), default=None)
     if leader is not None and leader.get("pid") != os.getpid():
@@ -199,7 +196,7 @@ async def broadcast(sib: Siblings, plane: str, request: Request, local: Handler)
     resp = await local(request)  # refused here (bad input, unknown worker): refused for all, nobody asked
     # a registration carries the id it got here: every process names the worker alike (a DELETE by id then
     # removes the same worker everywhere; a sibling that has that id for another worker refuses, and is named)
-    wid = resp.headers.get("x-pdgate-worker") if isinstance(resp, Response) else None
+    wid = resp.worker if isinstance(resp, Registered) else None
     extra = {WORKER_ID: wid} if wid and request.method == "POST" else None
     failed = [inst for inst, status, _ in await sib.ask(plane, request, extra=extra, timeout_s=timeout_s)
               if not 200 <= status < 300]
@@ -284,7 +281,7 @@ def merge_metrics(texts: list[str]) -> bytes:
 
 async def lease(sib: Siblings, plane: str, request: Request, local: Handler) -> Response | Stream:
     mine = _json(await local(request))
-    mine["instances"] = sorted({sib.app.gw.instance, *(str(m["instance"]) for m in sib.group.members())})
+    mine["instances"] = sorted({sib.instance, *(str(m["instance"]) for m in sib.group.members())})
     return json_response(mine)
 
 
@@ -302,15 +299,14 @@ MERGES: dict[tuple[str, str], Merge] = {
 }
 
 
-def fanned(app: App, plane: str, method: str, path: str, handler: Handler) -> Handler:
+def fanned(sib: Siblings | None, plane: str, method: str, path: str, handler: Handler) -> Handler:
     """``handler`` answering for every process of the group (when there is one and the route merges)."""
     merge = MERGES.get((method, path))
-    if merge is None:
+    if merge is None or sib is None:
         return handler
 
     async def run(request: Request) -> Response | Stream:
-        sib = app.siblings
-        if sib is None or LOCAL in request.headers:
+        if LOCAL in request.headers:
             return await handler(request)
         return await merge(sib, plane, request, handler)
 

@@ -6,6 +6,7 @@ from collections import Counter, OrderedDict
 from typing import Any
 
 from pdgate.record import Phase, Record, phase_label
+from pdgate.rid import Rid
 
 
 class Traces:
@@ -47,9 +48,9 @@ class Traces:
         among that tenant's requests, None: among everyone's)."""
         rec = self._one(ident)
         if rec is None:
-            base, dot, n = ident.rpartition(".")
-            if dot and n.isdigit():
-                rec = self._one(base)
+            rid = Rid.parse(ident)
+            if rid is not None and rid.attempt:
+                rec = self._one(str(rid.request))
                 if rec is not None and not any(a.rid == ident for a in rec.attempts):
                     rec = None
         if rec is None:
@@ -117,7 +118,8 @@ def full(rec: Record, now: float, engine: dict[str, Any] | None = None) -> dict[
             "tpot": (round((rec.last_token_at - rec.first_token_at) / max(rec.chunks - 1, 1), 6)
                      if rec.first_token_at is not None and rec.last_token_at is not None and rec.chunks > 1 else None),
         },
-        "tokens": {"prompt": rec.prompt_tokens, "completion": rec.completion_tokens, "chunks": rec.chunks},
+        "tokens": {"prompt": rec.prompt_tokens, "cached": rec.cached_tokens, "completion": rec.completion_tokens,
+                   "chunks": rec.chunks},
         "attempts": [
             {"n": a.n, "rid": a.rid, "prefill": a.prefill, "decode": a.decode, "bootstrap_room": a.room,
              "error": a.error, "events": [{"t": _rel(t, base), "event": name, **({"info": info} if info is not None else {})}

@@ -62,8 +62,9 @@ def per_instance(cluster: Cluster, port: int) -> Cluster:
 log = logging.getLogger("pdgate.up")
 
 
-class SupervisorOwner:
-    """Lets the gateway restart the workers it runs (``POST /v1/workers/{id}/restart``)."""
+class Supervised:
+    """The workers this process supervises, as the gateway asks for them (``control.WorkerSupervisor``: ``POST
+    /v1/workers/{id}/restart``, ``GET /v1/cluster``)."""
 
     def __init__(self, sup: Supervisor) -> None:
         self.sup = sup
@@ -141,8 +142,9 @@ async def run_up(cluster_path: str, config_path: str | None, host: str | None, p
         cfg, key_file = local_admin_key(gateway_config(base, sup, host, port, admin), admin_key_file)
         running = None
         if workers > 1:  # N gateway processes (pdgate.multi); this one keeps the workers and restarts them
-            group = multi.Supervisor(serve_argv(cfg, config_path, key_file, log_level, (admin or {}).get("log_format")),
-                                     workers, cfg.drain_s, owner=SupervisorOwner(sup))
+            group = multi.ProcessGroup(serve_argv(cfg, config_path, key_file, log_level,
+                                                  (admin or {}).get("log_format")), workers, cfg.drain_s,
+                                       supervised=Supervised(sup))
             running = asyncio.create_task(group.run(stop, check_ready=True))
             up = asyncio.create_task(group.up.wait())
             await asyncio.wait({running, up}, return_when=asyncio.FIRST_COMPLETED)
@@ -151,7 +153,7 @@ async def run_up(cluster_path: str, config_path: str | None, host: str | None, p
                 raise config.ConfigError("--workers", workers, "the gateway processes did not start (see above)")
             admin_url = f"http://{cfg.admin_host}:{cfg.admin_port}"
         else:
-            app = build_app(cfg, owner=SupervisorOwner(sup))
+            app = build_app(cfg, supervisor=Supervised(sup))
             runner = await serve(app, cfg.host, cfg.port)
             admin_url = app.admin_url
         url = f"http://{cfg.host}:{cfg.port}"

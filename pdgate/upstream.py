@@ -1,4 +1,5 @@
-"""The client side: pooled keep-alive connections to all engines (``h1lite.client``); aborts; small GETs.
+"""The transport to the engines: pooled keep-alive connections (``h1lite.client``), the legs' POSTs, small
+bounded calls (probes, aborts). What is said over it is the engine adapter's (``pdgate.engines``).
 
 Upstream client errors are wrapped once, here, into ``pdgate.errors``.
 """
@@ -10,8 +11,7 @@ from typing import Any
 
 import orjson
 
-from h1lite.client import BodyTooLarge, Client, ConnectFailed, Exchange, header_lines
-from pdgate import protocol
+from h1lite.client import BodyTooLarge, Client, ClientResponse, ConnectFailed, header_lines
 from pdgate.errors import UpstreamConnectError, UpstreamError
 
 SMALL_BODY = 1 << 20  # health, server info, loads, probes, aborts: answers are small; more is refused
@@ -45,20 +45,19 @@ class Upstream:
     async def close(self) -> None:
         self.client.close()
 
-    def post(self, base: str, path: str, data: bytes, headers: bytes = b"") -> Exchange:
-        """Start a POST; the caller uses it as an async context manager (for streamed answers). ``headers``:
-        encoded header lines (``h1lite.client.header_lines``)."""
-        return self.client.send(base, "POST", path, data, self.auth + headers)
+    async def open(self, base: str, path: str, data: bytes, headers: bytes = b"") -> ClientResponse:
+        """POST; returns once the status line and headers are in (a streamed answer). The caller releases it.
+        ``headers``: encoded header lines (``h1lite.client.header_lines``)."""
+        return await self.client.request(base, "POST", path, data, headers=self.auth + headers)
 
     async def post_read(self, base: str, path: str, data: bytes, headers: bytes = b"") -> tuple[int, bytes]:
         """POST and read the whole answer (at most ``max_body`` bytes)."""
         return await self.client.fetch(base, "POST", path, data, headers=self.auth + headers)
 
-    async def abort(self, base_url: str, rid: str) -> int:
-        """POST /abort_request (prefix match on the engine; always 200 there)."""
+    async def post_small(self, base: str, path: str, data: bytes) -> int:
+        """A small POST (an abort) within ``abort_timeout_s``; its status."""
         async with asyncio.timeout(self.abort_timeout_s):
-            status, _ = await self.client.fetch(base_url, "POST", protocol.ABORT_PATH, orjson.dumps({"rid": rid}),
-                                                headers=self.auth, limit=SMALL_BODY)
+            status, _ = await self.client.fetch(base, "POST", path, data, headers=self.auth, limit=SMALL_BODY)
             return status
 
     async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:

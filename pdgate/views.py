@@ -95,7 +95,7 @@ def workers_table(data: dict[str, Any], wide: bool = False, width: int | None = 
         style = {"up": "green", "down": "red", "degraded": "yellow"}[state]
         if w["breaker"] != "closed":  # health and breaker in one column: what a worker may be sent
             state, style = f"{state}, breaker {w['breaker']}", "yellow"
-        eng = w.get("engine") or {}
+        eng = w.get("queues") or {}
         queues = " ".join(f"{k.replace('_queue_reqs', '').replace('num_', '').replace('_reqs', '')}={v}"
                           for k, v in eng.items() if v)
         row: list[Any] = [_s(w["id"]), _s(w["role"]), _s(w["url"]), Text(state, style=style), str(w["load"]),

@@ -20,9 +20,13 @@ import enum
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pdgate.config import BreakerConfig, WorkerSpec
+from pdgate.engines.base import Probe
+
+if TYPE_CHECKING:
+    from pdgate.engines.base import Engine
 
 
 class Breaker(enum.Enum):
@@ -103,36 +107,46 @@ class Bound(Protocol):
     def note(self, name: str, info: Any = None) -> None: ...
 
 
+@dataclass(slots=True)
+class Checks:
+    """What the health checker keeps of a worker between checks."""
+
+    checked: bool = False  # checked at least once
+    failures: int = 0  # failed checks in a row
+    uncounted: int = 0  # timed-out checks in a row not counted against it (health.late_not_lost)
+    last_error: str | None = None
+
+
+@dataclass(slots=True)
+class Slots:
+    """What admission control keeps of a worker: how many of our live requests it may hold."""
+
+    configured: int | None = None  # the config's capacity (None: none set)
+    engine: int | None = None  # what the engine reports it runs at most (Probe.capacity)
+    reserved: int = 0  # slots handed to queued requests that have not bound yet
+    cut_until: float = 0.0  # after its 429/503: no more than it holds until then
+    foreign: int = 0  # requests the engine holds beyond ours at the last check (other gateways, direct clients)
+
+
 @dataclass(eq=False)
 class Worker:
     id: str
     spec: WorkerSpec
     breaker: CircuitBreaker
+    engine: Engine  # its engine kind's adapter (pdgate.engines)
     observers: tuple[WorkerObserver, ...] = ()
     state: State = State.UNKNOWN
     history: deque[tuple[float, str, str]] = field(default_factory=lambda: deque(maxlen=32))  # (t, state, cause)
-    checked: bool = False
-    health_failures: int = 0
-    health_uncounted: int = 0  # timed-out checks in a row not counted against it (health.late_not_lost)
-    identity: str | None = None
-    fixes: list[str] | None = None
-    models: tuple[str, ...] = ()
+    identity: str | None = None  # the engine process's identity as last seen (a new one: it restarted)
     restarts: int = 0
-    last_error: str | None = None
     bound: set[Bound] = field(default_factory=set)
     last_progress: float = 0.0
     busy_since: float | None = None
-    engine: dict[str, Any] = field(default_factory=dict)  # last engine-reported queue counts
-    has_extension: bool | None = None
-    info_path: bool | None = None  # offers /pdgate/v1/info (None: not asked yet)
+    checks: Checks = field(default_factory=Checks)
+    info: Probe = field(default_factory=lambda: Probe(False))  # the last passed health check's findings
+    slots: Slots = field(default_factory=Slots)
     orphans: int = 0  # engine-held rids found orphaned in the last reconcile pass (exact mode)
     drift: int = 0  # engine count above our live count (count mode)
-    # admission: how many of our live requests it may hold (None: no cap), set by config or by the engine
-    configured_capacity: int | None = None
-    engine_capacity: int | None = None  # the engine's max_running_requests (/server_info)
-    reserved: int = 0  # slots handed to queued requests that have not bound yet
-    cut_until: float = 0.0  # after its 429/503: no more than it holds until then
-    foreign: int = 0  # requests the engine holds beyond ours at the last check (other gateways, direct clients)
 
     @property
     def role(self) -> str:
@@ -144,19 +158,20 @@ class Worker:
 
     @property
     def load(self) -> int:
-        return len(self.bound) + self.reserved
+        return len(self.bound) + self.slots.reserved
 
     @property
     def capacity(self) -> int | None:
-        return self.configured_capacity or self.engine_capacity
+        return self.slots.configured or self.slots.engine
 
     def limit(self, now: float) -> int | None:
         """How many of our requests it may hold now: its capacity less what the engine holds for others, lowered
         to what it holds (at least one) for a while after the engine said 429/503."""
         cap = self.capacity
-        if cap is not None and self.foreign:  # slots others use are not ours to fill
-            cap = max(1, cap - self.foreign)
-        if now < self.cut_until:
+        foreign = self.slots.foreign
+        if cap is not None and foreign:  # slots others use are not ours to fill
+            cap = max(1, cap - foreign)
+        if now < self.slots.cut_until:
             held = max(1, self.load)
             return held if cap is None else min(cap, held)
         return cap
@@ -237,22 +252,26 @@ class Worker:
         return len(lost)
 
     def view(self, now: float) -> dict[str, Any]:
+        info = self.info
         return {
-            "id": self.id, "role": self.role, "url": self.url, "bootstrap_port": self.spec.bootstrap_port,
-            "state": self.state.value, "healthy": self.healthy, "available": self.available(now),
-            "degraded": self.degraded, "breaker": self.breaker.state.value, "identity": self.identity, "restarts": self.restarts,
-            "load": self.load, "stalled_s": round(self.stalled_for(now), 3), "fixes": self.fixes,
-            "models": list(self.models), "last_error": self.last_error, "engine": self.engine,
-            "orphans": self.orphans, "drift": self.drift, "capacity": self.limit(now),
+            "id": self.id, "role": self.role, "kind": self.spec.engine, "url": self.url,
+            "bootstrap_port": self.spec.bootstrap_port, "state": self.state.value, "healthy": self.healthy,
+            "available": self.available(now), "degraded": self.degraded, "breaker": self.breaker.state.value,
+            "identity": self.identity, "restarts": self.restarts, "load": self.load,
+            "stalled_s": round(self.stalled_for(now), 3), "fixes": info.fixes, "models": list(info.models),
+            "last_error": self.checks.last_error, "queues": info.queues, "orphans": self.orphans, "drift": self.drift,
+            "capacity": self.limit(now),
         }
 
 
 class Pool:
     """All workers by id, with per-role lists kept for the hot path."""
 
-    def __init__(self, breaker: BreakerConfig, configured_models: frozenset[str] = frozenset(),
-                 observers: tuple[WorkerObserver, ...] = (), capacity: int | None = None) -> None:
+    def __init__(self, breaker: BreakerConfig, engines: Callable[[str], Engine],
+                 configured_models: frozenset[str] = frozenset(), observers: tuple[WorkerObserver, ...] = (),
+                 capacity: int | None = None) -> None:
         self._breaker = breaker
+        self._engines = engines  # engine kind -> its adapter
         self._capacity = capacity or None
         self.observers = observers
         self._configured = configured_models
@@ -261,6 +280,7 @@ class Pool:
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
         self._seq = {"prefill": 0, "decode": 0}  # the next id's number, by role
+        self.mixed = False  # workers of more than one engine kind (a pair is always of one kind)
 
     def add(self, spec: WorkerSpec, wid: str | None = None) -> Worker:
         """Register ``spec`` under the next id of its role, or under ``wid`` (a sibling process's id for it:
@@ -272,10 +292,13 @@ class Pool:
             wid = f"{spec.role[0]}{self._seq[spec.role]}"
         elif wid in self.by_id or not (wid[:1] == spec.role[0] and wid[1:].isdigit()):
             raise ValueError(f"worker id {wid!r} is taken or not a {spec.role} id")
+        engine = self._engines(spec.engine)  # an unknown kind raises here, before anything is registered
         self._seq[spec.role] = max(self._seq[spec.role], int(wid[1:]) + 1)
-        w = Worker(wid, spec, CircuitBreaker(self._breaker), self.observers, configured_capacity=self._capacity)
+        w = Worker(wid, spec, CircuitBreaker(self._breaker), engine, self.observers,
+                   slots=Slots(configured=self._capacity))
         self.by_id[wid] = w
         getattr(self, spec.role).append(w)
+        self.mixed = len({x.spec.engine for x in self.by_id.values()}) > 1
         return w
 
     @property
@@ -294,15 +317,17 @@ class Pool:
         w.transition(State.REMOVED, now, "removed by an operator")
         getattr(self, w.role).remove(w)
         self._refresh_models()
+        self.mixed = len({x.spec.engine for x in self.by_id.values()}) > 1
         return w
 
-    def set_models(self, w: Worker, models: tuple[str, ...]) -> None:
-        if models != w.models:
-            w.models = models
+    def set_info(self, w: Worker, info: Probe) -> None:
+        """What a passed health check found on ``w`` (its models are among those served from now on)."""
+        old, w.info = w.info.models, info
+        if info.models != old:
             self._refresh_models()
 
     def _refresh_models(self) -> None:
-        self._models = self._configured | {m for w in self.by_id.values() for m in w.models}
+        self._models = self._configured | {m for w in self.by_id.values() for m in w.info.models}
 
     def available(self, role: str, now: float) -> list[Worker]:
         return [w for w in getattr(self, role) if w.available(now)]

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from pdgate import gateway, proxy, relay, scope
+from pdgate import proxy, relay, scope
 
 
 def _per_read_push(self: relay.Framer, chunk: bytes) -> bytes:
@@ -33,9 +33,9 @@ def _last_reason_wins(self: scope.Scope, reason: scope.Reason) -> bool:
 
 
 MUTATIONS: dict[str, tuple[Any, str, Callable[..., Any]]] = {
-    "rearm": (proxy.Watchdog, "rearm", lambda self: None),
+    "rearm": (scope.Watchdog, "rearm", lambda self: None),
     "framer": (relay.Framer, "push", _per_read_push),
-    "drain": (gateway.Gateway, "drain", lambda self, detail=None: 0),
+    "drain": (proxy.Pipeline, "drain", lambda self, detail=None: 0),
     "first_wins": (scope.Scope, "cancel", _last_reason_wins),
 }
 

@@ -285,7 +285,8 @@ async def run(cl: Cluster, sc: Scenario) -> list[str]:
 def queue_leftovers(g: Running) -> list[str]:
     """Admission control leaves nothing behind: an empty queue, no slot reserved for a request that is gone."""
     out = [f"queue-empty: {g.gw.gate.queue.n} requests still queued"] if g.gw.gate.queue.n else []
-    out += [f"queue-empty: {w.id} still has {w.reserved} reserved slots" for w in g.gw.pool.by_id.values() if w.reserved]
+    out += [f"queue-empty: {w.id} still has {w.slots.reserved} reserved slots" for w in g.gw.pool.by_id.values()
+            if w.slots.reserved]
     return out
 
 

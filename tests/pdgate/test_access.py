@@ -26,8 +26,7 @@ from pdgate import config
 from pdgate.auth import Bucket, Tenant, bearer, new_key
 from pdgate.config import AdminKey, ConfigError, GatewayConfig, KeyConfig, hash_key
 from pdgate.errors import detail_of, one_line
-from pdgate.gateway import Gateway
-from pdgate.reconcile import RID
+from pdgate.rid import Ids, Rid
 from pdgate.workers import State
 from tests.pdgate.harness import Running, make_config, start_gateway
 from tests.procs import ROOT, Procs, Sim, free_port, wait_http, workers_toml
@@ -167,14 +166,14 @@ async def test_the_registration_and_forgery_sequence_fails_at_its_first_step(pro
         assert answers[closed] == answers[sport] == answers[rport], "every failure reads the same (no port scanner)"
         assert max(took.values()) - min(took.values()) < 0.15, f"and takes as long: {took}"
         assert "hunter2" not in answers[sport] and "\n" not in answers[sport]
-        assert len(g.gw.up().client.pools) == 2, "no connection pool is left for what failed"
+        assert len(g.gw.upstream.client.pools) == 2, "no connection pool is left for what failed"
         for url, why in ((g.url, "this gateway itself"), (g.admin, "this gateway itself")):
             status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY, {"role": "decode", "url": url})
             assert status == 400 and why in body["error"]["message"]
         status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY,
                                      {"role": "decode", "url": p.url})  # a prefill is no decode
         assert status == 502
-        assert sorted(g.gw.pool.by_id) == ["d0", "p0"] and sorted(g.runner.health_tasks) == ["d0", "p0"], \
+        assert sorted(g.gw.pool.by_id) == ["d0", "p0"] and sorted(g.runner.control.health_tasks) == ["d0", "p0"], \
             "a failed registration leaves nothing behind"
 
         # a real worker registers once, however it is spelled and however many ask at once; the cap holds
@@ -310,16 +309,18 @@ def test_the_longer_ids_are_never_cut_at_80_columns() -> None:
 
 
 def test_request_ids_are_fixed_width_and_unguessable() -> None:
-    gw = Gateway(config.validate(GatewayConfig(instance_id="1fc49fd0")))
-    ids = [gw.new_id() for _ in range(2000)]
+    make = Ids("1fc49fd0")
+    ids = [make.new() for _ in range(2000)]
     assert len({len(i) for i in ids}) == 1 and len(set(ids)) == len(ids)
-    assert all(RID.match(i + ".1") for i in ids), "reconciliation recognises them"
+    parsed = [Rid.parse(f"{i}.1") for i in ids]
+    assert all(r is not None and r.instance == "1fc49fd0" and r.attempt == 1 and str(r.request) == i
+               for r, i in zip(parsed, ids, strict=True)), "reconciliation recognises them"
     tails = [int(i[-16:], 16) for i in ids]
     assert len(set(tails)) == len(tails) and sum(b - a == 1 for a, b in itertools.pairwise(tails)) == 0
     # the next id is not the last one plus one (the report guessed x-request-id + 1)
     last = ids[-1]
     guess = last[:-24] + f"{int(last[-24:], 16) + 1:024x}"
-    assert gw.new_id() != guess
+    assert make.new() != guess
 
 
 async def test_rate_limits_answer_429_with_retry_after_and_recover(procs: Procs, http: aiohttp.ClientSession,
@@ -464,10 +465,10 @@ async def test_engines_started_with_an_api_key(procs: Procs, http: aiohttp.Clien
         assert status == 200
         return
     assert status == 503 and body["error"]["code"] == "no_healthy_pair", body
-    assert "refuses the gateway's credentials" in (g.gw.pool.by_id["d0"].last_error or "")
+    assert "refuses the gateway's credentials" in (g.gw.pool.by_id["d0"].checks.last_error or "")
     # a worker that turns its key on later: its refusals are the gateway's failure, never the client's 401
     for w in g.gw.pool.by_id.values():
-        w.health_failures = 0
+        w.checks.failures = 0
         w.transition(State.UP, g.gw.now(), "test: as if checked before the engine's key was set")
     status, body, _ = await call(http, "POST", g.url + "/v1/chat/completions", None, CHAT)
     assert status == 502 and body["error"]["code"] == "upstream_unauthorized", body

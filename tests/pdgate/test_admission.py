@@ -147,16 +147,16 @@ def test_a_workers_limit_follows_its_engine() -> None:
     from pdgate.config import BreakerConfig, WorkerSpec
     from pdgate.workers import CircuitBreaker, Worker
 
-    w = Worker("d0", WorkerSpec("http://127.0.0.1:1", "decode"), CircuitBreaker(BreakerConfig()))
+    w = Worker("d0", WorkerSpec("http://127.0.0.1:1", "decode"), CircuitBreaker(BreakerConfig()), None)  # type: ignore[arg-type]
     assert w.limit(0.0) is None and w.has_room(0.0), "no capacity known: no cap"
-    w.engine_capacity = 8
+    w.slots.engine = 8
     assert w.limit(0.0) == 8
-    w.configured_capacity = 4
+    w.slots.configured = 4
     assert w.limit(0.0) == 4, "the config's capacity wins"
-    w.foreign = 3  # the engine holds three requests that are not ours
+    w.slots.foreign = 3  # the engine holds three requests that are not ours
     assert w.limit(0.0) == 1
-    w.foreign, w.cut_until = 0, 5.0  # it said 503 at 0: no more than it holds (at least one) until 5
-    w.reserved = 2
+    w.slots.foreign, w.slots.cut_until = 0, 5.0  # it said 503 at 0: no more than it holds (at least one) until 5
+    w.slots.reserved = 2
     assert w.limit(1.0) == 2 and not w.has_room(1.0) and w.limit(5.0) == 4
 
 
@@ -336,7 +336,7 @@ async def test_waiters_are_answered_when_no_pair_is_left(procs: Procs, http: aio
     assert (503, "no_healthy_pair") in codes and all(c[0] in (502, 503) for c in codes), codes
     assert max(r[2] for r in results) < 4.0, "answered when the worker was found down, not at the deadline"
     await blocker
-    assert g.gw.gate.queue.n == 0 and all(w.reserved == 0 for w in g.gw.pool.by_id.values())
+    assert g.gw.gate.queue.n == 0 and all(w.slots.reserved == 0 for w in g.gw.pool.by_id.values())
 
 
 async def test_the_queue_moves_when_an_engines_backoff_ends(procs: Procs, http: aiohttp.ClientSession,
@@ -363,17 +363,17 @@ async def test_a_retry_takes_its_own_slot_before_the_queue(procs: Procs, http: a
     from pdgate import attempt
     from pdgate.errors import UpstreamStatus
 
-    real = attempt.run_attempt
+    real = attempt.Attempts.run
     failed: list[str] = []
 
-    async def first_fails(ctx: Any, att: Any, bind: Any, pw: Any, dw: Any) -> bytes:
+    async def first_fails(self: Any, ctx: Any, att: Any, bind: Any, pw: Any, dw: Any) -> bytes:
         if not failed and ctx.rec.model == "sim-model" and b"retry me" in ctx.request.body:
             failed.append(att.rid)
             await asyncio.sleep(0.3)
             raise UpstreamStatus("injected", role="decode", worker=dw.id, upstream_status=500)
-        return await real(ctx, att, bind, pw, dw)
+        return await real(self, ctx, att, bind, pw, dw)
 
-    monkeypatch.setattr(attempt, "run_attempt", first_fails)
+    monkeypatch.setattr(attempt.Attempts, "run", first_fails)
     p, d = sims(procs)
     g = await gateway(gateways, p, d, capacity=1)
     r = asyncio.create_task(post(http, g, NORM, chat(2, "retry me")))
@@ -407,7 +407,7 @@ async def test_a_granted_pair_whose_worker_went_down_is_not_used(procs: Procs, h
             if e.gone and fut.done() and not fut.cancelled() and fut.exception() is None and not downed:
                 w = fut.result()[1]
                 downed.append(w.id)
-                w.transition(State.DOWN, self.gw.now(), "test: down between its grant and its bind")
+                w.transition(State.DOWN, self.clock(), "test: down between its grant and its bind")
 
     monkeypatch.setattr(Gate, "_pump", pump_then_down)
     blockers = [asyncio.create_task(post(http, g, NORM, chat(200))) for _ in range(2)]

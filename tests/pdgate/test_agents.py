@@ -251,7 +251,7 @@ async def test_policy_hooks_hear_dispatch_completion_retry_and_removal(procs: Pr
     d = procs.sim("decode")
     g = await gateway(gateways, [bad, good], [d])
     rec = Recording()
-    g.gw.prefill_policy = rec
+    g.gw.routing.prefill = rec
     b, ok_id = worker_id(g.gw, bad), worker_id(g.gw, good)
     async with aiohttp.ClientSession() as http:
         for _ in range(2):
@@ -296,7 +296,7 @@ async def test_a_policy_that_fails_on_one_request_ends_that_request_only(procs: 
     from pdgate.config import AdmissionConfig
 
     g = await gateway(gateways, [p], [d], admission=AdmissionConfig(capacity=1))
-    g.gw.prefill_policy = Failing(where)
+    g.gw.routing.prefill = Failing(where)
 
     async def one(http: aiohttp.ClientSession, sid: str) -> int:
         async with http.post(g.url + "/v1/chat/completions", headers={"x-session-id": sid},
@@ -311,7 +311,7 @@ async def test_a_policy_that_fails_on_one_request_ends_that_request_only(procs: 
         statuses = await asyncio.gather(first, one(http, "bad"), one(http, "b"), one(http, "c"))
     assert statuses[0] == 200 and statuses[2:] == [200, 200], statuses
     assert statuses[1] == 500, statuses
-    assert g.gw.gate.queue.n == 0 and all(w.load == 0 and w.reserved == 0 and w.busy_since is None
+    assert g.gw.gate.queue.n == 0 and all(w.load == 0 and w.slots.reserved == 0 and w.busy_since is None
                                           for w in g.gw.pool.by_id.values())
 
 

@@ -198,7 +198,7 @@ def test_worker_state_machine_checks_moves_and_tells_observers() -> None:
     from pdgate.workers import IllegalWorkerTransition, Pool, State
 
     seen: list[tuple[str, str, str, str]] = []
-    pool = Pool(BreakerConfig(failures=2, cooldown_s=5), observers=(lambda w, a, b, c: seen.append((w.id, a.value, b.value, c)),))
+    pool = Pool(BreakerConfig(failures=2, cooldown_s=5), lambda kind: None, observers=(lambda w, a, b, c: seen.append((w.id, a.value, b.value, c)),))
     w = pool.add(WorkerSpec(url="http://127.0.0.1:1", role="decode"))
     assert w.state is State.UNKNOWN and not w.healthy and not w.available(0.0)
     w.transition(State.UP, 0.0, "health check passed")
@@ -223,7 +223,7 @@ def test_worker_lost_carries_structured_fields() -> None:
     from pdgate.record import Attempt
     from pdgate.scope import Cause
 
-    b = Bind(None, Attempt(n=1, rid="pdg-x.1", prefill="p0", decode="d1", room=1))  # type: ignore[arg-type]
+    b = Bind(Attempt(n=1, rid="pdg-x.1", prefill="p0", decode="d1", room=1), None, lambda: 0.0)
     b.lose("d1", "decode", "down: ConnectFailed")
     reason = b.scope.reason
     assert reason is not None and reason.cause is Cause.WORKER_LOST

@@ -355,13 +355,13 @@ async def test_a_piped_body_wakes_its_reader_once_not_per_piece(monkeypatch: pyt
     from h1lite import client as h1client
 
     waits = [0]
-    real_wait = h1client.Response._wait
+    real_wait = h1client.ClientResponse._wait
 
-    async def counted(self: h1client.Response) -> None:
+    async def counted(self: h1client.ClientResponse) -> None:
         waits[0] += 1
         await real_wait(self)
 
-    monkeypatch.setattr(h1client.Response, "_wait", counted)
+    monkeypatch.setattr(h1client.ClientResponse, "_wait", counted)
 
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")

@@ -507,9 +507,9 @@ async def huge_leg(g: Any, port: int) -> None:
     from pdgate.workers import State
 
     w = g.gw.pool.by_id["d0"]
-    assert not w.healthy and "more than 1048576 bytes" in (w.last_error or ""), w.last_error
+    assert not w.healthy and "more than 1048576 bytes" in (w.checks.last_error or ""), w.checks.last_error
     for _ in range(100):  # the health task's first check (the start's is the first failure) must be over too
-        if w.health_failures >= 2:
+        if w.checks.failures >= 2:
             break
         await asyncio.sleep(0.05)
     w.transition(State.UP, g.gw.now(), "test: let it serve")

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -226,9 +227,9 @@ def test_a_siblings_instance_never_lapses_and_without_its_record_it_would(tmp_pa
     async def no_peers() -> None:
         return None
 
-    gw: Any = SimpleNamespace(cfg=SimpleNamespace(reconcile=ReconcileConfig(lease_s=1.5), peers=()), instance="aa",
-                              now=lambda: clock[0])
-    on, off = Reconciler(gw), Reconciler(gw)
+    cfg: Any = SimpleNamespace(reconcile=ReconcileConfig(lease_s=1.5), peers=())
+    on, off = (Reconciler(cfg, "aa", None, None, None, deque(), None, lambda: clock[0])  # type: ignore[arg-type]
+               for _ in range(2))
     on.siblings = lambda: ["bb"]
     for r in (on, off):
         asyncio.run(r.refresh_leases())
@@ -244,7 +245,7 @@ def test_a_pool_takes_a_siblings_ids_and_goes_on_from_them() -> None:
     from pdgate.config import BreakerConfig, WorkerSpec
     from pdgate.workers import Pool
 
-    pool = Pool(BreakerConfig())
+    pool = Pool(BreakerConfig(), lambda kind: None)  # type: ignore[arg-type,return-value]
     assert pool.add(WorkerSpec(url="http://127.0.0.1:1", role="decode")).id == "d0"
     assert pool.add(WorkerSpec(url="http://127.0.0.1:2", role="decode"), "d5").id == "d5"
     assert pool.add(WorkerSpec(url="http://127.0.0.1:3", role="decode")).id == "d6"

@@ -98,10 +98,10 @@ async def test_a_worker_that_never_answers_is_down_with_a_reason(gateways: list[
         gateways.append(g)
         w = g.gw.pool.by_id["p0"]
         for _ in range(50):
-            if w.last_error:
+            if w.checks.last_error:
                 break
             await asyncio.sleep(0.1)
-        assert w.last_error == "TimeoutError: no answer within 0.3s", w.last_error
+        assert w.checks.last_error == "TimeoutError: no answer within 0.3s", w.checks.last_error
         assert w.state.value == "down"
     finally:
         silent.close()

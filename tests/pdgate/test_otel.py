@@ -38,7 +38,7 @@ async def test_spans_per_request_attempt_and_leg_and_the_engines_join_the_trace(
     g = await start_gateway(make_config([bad, good], [d], policy="round_robin"))
     gateways.append(g)
     exporter = InMemorySpanExporter()
-    g.gw.otel = Otel(OtelConfig(enabled=True), exporter)
+    g.gw.obs.otel = Otel(OtelConfig(enabled=True), exporter)
     async with aiohttp.ClientSession() as http:
         for _ in range(2):  # round robin: one of the two requests tries the failing prefill first
             async with http.post(g.url + "/v1/chat/completions", json=CHAT, headers={"traceparent": TRACEPARENT}) as r:
@@ -167,7 +167,7 @@ async def test_an_sdk_that_raises_never_ends_a_request(procs: Procs, gateways: l
     p, d = procs.pair()
     g = await start_gateway(make_config([p], [d]))
     gateways.append(g)
-    g.gw.otel = Broken()  # type: ignore[assignment]
+    g.gw.obs.otel = Broken()  # type: ignore[assignment]
     async with aiohttp.ClientSession() as http:
         for body in (CHAT, {**CHAT, "stream": False}):
             async with http.post(g.url + "/v1/chat/completions", json=body, headers={"traceparent": TRACEPARENT}) as r:

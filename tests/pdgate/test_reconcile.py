@@ -89,7 +89,7 @@ async def test_count_mode_for_plain_sglang(procs: Procs, http: aiohttp.ClientSes
     await set_faults(http, d, ack_loss=True)
     rc = ReconcileConfig(interval_s=0.5, grace_s=1.0, lease_s=2.0, drift_checks=2)
     g = await gateway(gateways, [p], [d], abort_legs=False, reconcile=rc)
-    assert g.gw.pool.by_id["p0"].has_extension is False
+    assert g.gw.pool.by_id["p0"].info.lists_rids is False
     await pin_on_prefill(http, g.url, 3)
     await asyncio.sleep(0.6)
     assert await gauge(http, p, INFLIGHT) == 3

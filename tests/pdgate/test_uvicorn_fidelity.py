@@ -51,7 +51,7 @@ async def test_idle_connections_expire_without_a_failed_request(procs: Procs, ga
     assert statuses == [200] * 40, statuses
     for w in g.gw.pool.by_id.values():
         assert w.breaker.failures == 0 and w.state.value == "up", (w.id, w.breaker.failures, w.state)
-    up = g.gw.up().client
+    up = g.gw.upstream.client
     opened = sum(pool.opened for pool, _ in up.pools.values())
     assert opened > 10, "uvicorn closed idle connections and new ones were made"
     async with aiohttp.ClientSession() as http, http.get(g.admin + "/metrics") as r:

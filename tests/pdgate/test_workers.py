@@ -168,7 +168,7 @@ async def test_sglang_worker_identity_from_the_extension(gateways: list[Any], ex
                           health=HealthConfig(interval_s=0.1, timeout_s=0.5, failures=2, degraded_after_s=30))
         await asyncio.sleep(0.5)
         w = g.gw.pool.by_id[worker_id(g.gw, d)]  # type: ignore[arg-type]
-        assert w.fixes == (["A", "B", "C"] if ext else None)
+        assert w.info.fixes == (["A", "B", "C"] if ext else None)
         assert w.identity == ("100-1" if ext else None)
         d.identity = "200-2"  # restarted between two checks
         await asyncio.sleep(0.5)
@@ -255,7 +255,7 @@ async def test_checks_that_always_end_late_still_take_a_hung_worker_down(
             break
         await asyncio.sleep(0.05)
     assert w.state.value == "down", w.view(g.gw.now())
-    assert w.health_uncounted == health.UNCOUNTED_FACTOR * 2
+    assert w.checks.uncounted == health.UNCOUNTED_FACTOR * 2
 
 
 @pytest.mark.parametrize("counted", [False, True])

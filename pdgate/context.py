@@ -1,0 +1,38 @@
+"""A request's context: what one client request carries through the stages (``docs/architecture.md``,
+"One request's way"). Plain data: the stages act on it, it calls nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from h1lite.server import Request, Stream
+from pdgate.policies import RequestView
+from pdgate.record import Record
+from pdgate.scope import Reason, Scope, Watchdog
+
+if TYPE_CHECKING:
+    from pdgate.auth import Tenant
+
+
+class Ctx:
+    __slots__ = ("body", "rec", "request", "resp", "route", "scope", "span", "stream_error", "tenant",
+                 "view", "watchdog")
+
+    def __init__(self, request: Request, rec: Record, route: str, body: dict[str, Any], view: RequestView,
+                 tenant: Tenant | None, clock: Callable[[], float]) -> None:
+        self.request = request
+        self.rec = rec
+        self.route = route
+        self.body = body  # what the engines are sent (the client's JSON, less what the gateway took from it)
+        self.view = view  # what the routing policies see of it
+        self.tenant = tenant  # its client key (None: an open front door)
+        self.span: Any = None  # its OpenTelemetry span (None without otel)
+        self.resp: Stream | None = None  # the client's stream, once its head went out
+        self.stream_error: str | None = None  # the engine's own error event went out on it
+        self.scope = Scope()
+        self.watchdog = Watchdog(self.scope, rec.due, clock)
+
+    def cancel(self, reason: Reason) -> bool:
+        return self.scope.cancel(reason)

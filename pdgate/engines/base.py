@@ -1,0 +1,88 @@
+"""The engine seam's types: the ``Engine`` Protocol an adapter implements and the values it answers with.
+
+See ``pdgate.engines`` for what an adapter decides."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from pdgate.config import WorkerSpec
+    from pdgate.record import Attempt
+
+
+@dataclass(slots=True)
+class Probe:
+    """One health check's result, as a value (``health.py`` moves the worker's state from it)."""
+
+    ok: bool
+    error: str | None = None  # why not (None when ok)
+    timed_out: bool = False  # no answer in time ...
+    loop_late: bool = False  # ... noticed well after it was due: this gateway's loop ran behind
+    identity: str | None = None  # changes each time the engine process starts (restart detection)
+    fixes: list[str] | None = None  # engine-side fixes in force (the seed's A, B, C)
+    models: tuple[str, ...] = ()
+    capacity: int | None = None  # the most requests the engine runs at once, as it reports it
+    held: int | None = None  # requests the engine holds in the queues of this worker's role
+    running: int | None = None  # requests it runs or queues in all (ours and others')
+    queues: dict[str, Any] = field(default_factory=dict)  # its queue counts, as it names them (shown)
+    lists_rids: bool = False  # it answers ``held`` (exact reconciliation); else counts only
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A request an engine holds, by the rid we gave it."""
+
+    rid: str
+    queue: str | None
+    age_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt: int | None = None
+    completion: int | None = None
+    cached: int | None = None
+
+
+class Engine(Protocol):
+    kind: str
+    sequential: bool  # legs in sequence (the decode's body from the prefill's answer), else at once
+    done_event: bytes  # a stream's last event, as the engine writes it
+    error_event: bytes  # how an error event begins
+
+    def legs(self, body: dict[str, Any], att: Attempt, prefill: WorkerSpec) -> tuple[bytes, bytes]:
+        """The prefill's and the decode's bodies (``sequential``: the decode's is a template for
+        ``decode_after``)."""
+
+    def decode_after(self, decode: bytes, prefill_answer: bytes) -> bytes:
+        """A sequential engine's decode body, once the prefill has answered."""
+
+    def needs_prefill_answer(self, route: str, body: dict[str, Any]) -> bool:
+        """Whether the decode's answer is merged with the prefill's (``merge``), which is then kept."""
+
+    def merge(self, prefill_answer: bytes, decode_answer: bytes) -> bytes: ...
+
+    def usage(self, answer: bytes) -> Usage: ...
+
+    def defers_decode_abort(self, decode_fixes: list[str] | None) -> bool:
+        """Whether a decode leg's abort waits for its transfer to end (its first answer, or the prefill's
+        success), bounded by ``abort_defer_s``: tearing a decode down while it receives KV can crash or leak
+        an engine without the fix."""
+
+    async def abort(self, url: str, rid: str) -> int:
+        """Abort ``rid`` on the engine at ``url``; the HTTP status."""
+
+    async def probe(self, url: str, role: str, timeout_s: float) -> Probe:
+        """The worker at ``url`` checked: healthy or not, and what it says of itself (``role``: the queues it
+        holds our requests in)."""
+
+    async def identify(self, spec: WorkerSpec, timeout_s: float) -> bool:
+        """Whether ``spec`` answers as an engine of its role (a registration)."""
+
+    async def held(self, url: str, timeout_s: float) -> list[Held] | None:
+        """The requests the engine holds, by rid (None: it does not say)."""
+
+    def forget(self, url: str) -> None:
+        """The worker at ``url`` was down or removed: what the adapter learned of it may no longer hold."""

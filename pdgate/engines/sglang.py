@@ -1,0 +1,177 @@
+"""SGLang's prefill/decode disaggregation (facts from SGLang 0.5.23: ``docs/architecture.md``, "SGLang PD").
+
+- Both legs get the same path and body at once, with ``bootstrap_host`` / ``bootstrap_port`` (the prefill's
+  bootstrap server) and ``bootstrap_room``, and the same ``rid``; the prefill answers after the KV transfer
+  ended (Success: its answer; Failed: 500), the decode streams the tokens.
+- Abort: ``POST /abort_request {"rid"}``, matched by prefix, always 200. Without the abort-during-transfer fix
+  (A) a decode torn down while it receives KV can crash or leak (SMG defers it until the decode's first answer
+  for the same reason), so its abort waits for the transfer's end there (``defers_decode_abort``).
+- Probes: ``/health``; ``/server_info`` (served model, ``max_running_requests``, ``disaggregation_mode``; the
+  sim and engine/sglang add an identity and the fixes in force, the latter at ``/pdgate/v1/info``);
+  ``/v1/loads?include=disagg`` (queue counts). Only engines with the pdgate extension list their rids
+  (``/pdgate/v1/requests``); plain SGLang is reconciled by counts.
+- Usage: OpenAI's ``usage`` or ``/generate``'s ``meta_info``; ``return_logprob`` on ``/generate`` gets the
+  prefill's input logprobs in front of the decode's, as SGLang's routers merge them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from pdgate import protocol as wire
+from pdgate.engines.base import Held, Probe, Usage
+from pdgate.upstream import LoopLate
+
+if TYPE_CHECKING:
+    from pdgate.config import WorkerSpec
+    from pdgate.record import Attempt
+    from pdgate.upstream import Upstream
+
+GENERATE = "/generate"
+# the queues a worker of each role holds our requests in (count-mode reconciliation)
+HELD = {"prefill": ("prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs"),
+        "decode": ("decode_prealloc_queue_reqs", "decode_transfer_queue_reqs", "num_running_reqs")}
+
+
+class SGLang:
+    kind = "sglang"
+    sequential = False
+    done_event = b"data: [DONE]"
+    error_event = b'data: {"error"'
+
+    def __init__(self, upstream: Upstream) -> None:
+        self.up = upstream
+        self.no_info: set[str] = set()  # workers that answered no /pdgate/v1/info (not asked again until down)
+
+    # ---- the legs ----------------------------------------------------------------------
+    def legs(self, body: dict[str, Any], att: Attempt, prefill: WorkerSpec) -> tuple[bytes, bytes]:
+        payload = orjson.dumps({**body, wire.BOOTSTRAP_HOST: prefill.host, wire.BOOTSTRAP_PORT: prefill.bootstrap_port,
+                                wire.BOOTSTRAP_ROOM: att.room, wire.RID: att.rid})
+        return payload, payload
+
+    def decode_after(self, decode: bytes, prefill_answer: bytes) -> bytes:
+        return decode
+
+    def needs_prefill_answer(self, route: str, body: dict[str, Any]) -> bool:
+        return route == GENERATE and bool(body.get("return_logprob"))
+
+    def merge(self, prefill_answer: bytes, decode_answer: bytes) -> bytes:
+        """The decode's ``input_token_logprobs`` = the prefill's + the decode's."""
+        try:
+            p, d = orjson.loads(prefill_answer), orjson.loads(decode_answer)
+            pm, dm = p["meta_info"], d["meta_info"]
+            if "input_token_logprobs" in pm and "input_token_logprobs" in dm:
+                dm["input_token_logprobs"] = pm["input_token_logprobs"] + dm["input_token_logprobs"]
+            return orjson.dumps(d)
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return decode_answer
+
+    def usage(self, answer: bytes) -> Usage:
+        try:
+            obj = orjson.loads(answer)
+        except orjson.JSONDecodeError:
+            return Usage()
+        u = (obj.get("usage") or obj.get("meta_info") or {}) if isinstance(obj, dict) else {}
+        if not isinstance(u, dict):
+            return Usage()
+        details = u.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else u.get("cached_tokens")
+        return Usage(_count(u.get("prompt_tokens")), _count(u.get("completion_tokens")), _count(cached))
+
+    def defers_decode_abort(self, decode_fixes: list[str] | None) -> bool:
+        return "A" not in (decode_fixes or ())
+
+    async def abort(self, url: str, rid: str) -> int:
+        return await self.up.post_small(url, wire.ABORT_PATH, orjson.dumps({"rid": rid}))
+
+    # ---- probes ------------------------------------------------------------------------
+    async def probe(self, url: str, role: str, timeout_s: float) -> Probe:
+        try:
+            status, _ = await self.up.get(url + wire.HEALTH_PATH, timeout_s)
+            if status != 200:
+                return Probe(False, f"/health answered {status}")
+            status, info = await self.up.get_json(url + wire.SERVER_INFO_PATH, timeout_s)
+            if status in (401, 403):  # /health is open on SGLang with --api-key; the rest is not
+                return Probe(False, f"/server_info answered {status}: the engine refuses the gateway's credentials "
+                             "(worker_api_key must be its --api-key)")
+            info = info if isinstance(info, dict) else {}
+            if wire.IDENTITY_FIELD not in info and url not in self.no_info:
+                info = {**info, **await self._ext_info(url, timeout_s)}
+            _, loads = await self.up.get_json(url + wire.LOADS_PATH + "?include=disagg", timeout_s)
+        except OSError as exc:  # a timeout's message is empty: say what it was
+            timed_out = isinstance(exc, TimeoutError)
+            detail = str(exc) or (f"no answer within {timeout_s:g}s" if timed_out else "no detail")
+            return Probe(False, f"{exc.__class__.__name__}: {detail}", timed_out=timed_out,
+                         loop_late=isinstance(exc, LoopLate))
+        return self._probed(info, _queues(loads), role)
+
+    def _probed(self, info: dict[str, Any], queues: dict[str, Any], role: str) -> Probe:
+        served = info.get("served_model_name") or info.get("model_path")
+        cap = info.get("max_running_requests")  # SGLang's resolved server arg (the sim reports its own)
+        ident = info.get(wire.IDENTITY_FIELD)
+        p = Probe(True, identity=ident if isinstance(ident, str) else None, fixes=info.get(wire.FIXES_FIELD),
+                  models=(served,) if isinstance(served, str) else (),
+                  capacity=cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else None,
+                  queues=queues, lists_rids=info.get("pdgate_engine") is not None)
+        if queues:
+            p.held = sum(int(queues.get(k) or 0) for k in HELD[role] if isinstance(queues.get(k) or 0, int))
+        if "num_running_reqs" in queues:
+            p.running = sum(v for k, v in queues.items() if k in ("num_running_reqs", "num_waiting_reqs")
+                            and isinstance(v, int))
+        return p
+
+    async def _ext_info(self, url: str, timeout_s: float) -> dict[str, Any]:
+        """Identity and fixes from ``/pdgate/v1/info`` (engine/sglang workers). A worker that answers anything but
+        a JSON object there is not asked again until it has been down."""
+        try:
+            status, body = await self.up.get_json(url + wire.EXT_INFO_PATH, timeout_s)
+        except OSError:  # not this check's verdict: /health and /server_info decide that
+            return {}
+        if status == 200 and isinstance(body, dict):
+            return dict(body)
+        self.no_info.add(url)
+        return {}
+
+    def forget(self, url: str) -> None:
+        self.no_info.discard(url)  # whatever comes back up may be another engine
+
+    async def identify(self, spec: WorkerSpec, timeout_s: float) -> bool:
+        """``/health`` 200, and ``/server_info`` naming the same disaggregation mode (a decode registered as a
+        prefill, or anything else, is refused)."""
+        status, _ = await self.up.get(spec.url + wire.HEALTH_PATH, timeout_s)
+        if status != 200:
+            return False
+        status, info = await self.up.get_json(spec.url + wire.SERVER_INFO_PATH, timeout_s)
+        return status == 200 and isinstance(info, dict) and info.get("disaggregation_mode") == spec.role
+
+    async def held(self, url: str, timeout_s: float) -> list[Held] | None:
+        try:
+            status, body = await self.up.get_json(url + wire.EXT_REQUESTS_PATH, timeout_s)
+        except OSError:
+            return None
+        if status != 200 or not isinstance(body, dict) or not isinstance(body.get("requests"), list):
+            return None
+        out = []
+        for r in body["requests"]:
+            if isinstance(r, dict):
+                age = r.get("age_s", r.get("since_s", 0.0))
+                out.append(Held(str(r.get("rid", "")), r.get("queue"), float(age) if isinstance(age, (int, float)) else 0.0))
+        return out
+
+
+def _count(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _queues(loads: Any) -> dict[str, Any]:
+    if not isinstance(loads, dict) or not loads.get("loads") or not isinstance(loads["loads"], list):
+        return {}
+    first = loads["loads"][0]
+    if not isinstance(first, dict):
+        return {}
+    out = {k: first.get(k) for k in ("num_running_reqs", "num_waiting_reqs") if k in first}
+    disagg = first.get("disagg")
+    out.update(disagg if isinstance(disagg, dict) else {})
+    return out
