@@ -28,11 +28,10 @@ def _ms(t: float | None, base: float) -> float | None:
 
 def record_fields(rec: Record) -> dict[str, Any]:
     a = rec.attempt
-    budget = (rec.reason or "").split(" ", 1)[0] if rec.outcome is not None and rec.outcome.value == "deadline_exceeded" else None
     return {
         "id": rec.id, "client_id": rec.client_request_id, "tenant": rec.tenant, "route": rec.route,
         "model": rec.model, "stream": rec.stream, "status": rec.status,
-        "outcome": rec.outcome.value if rec.outcome else None, "cause": rec.cause, "budget": budget,
+        "outcome": rec.outcome.value if rec.outcome else None, "cause": rec.cause, "budget": rec.budget,
         "ttft_ms": _ms(rec.first_token_at, rec.created), "e2e_ms": _ms(rec.finished_at, rec.created),
         "prompt_tokens": rec.prompt_tokens, "completion_tokens": rec.completion_tokens, "chunks": rec.chunks,
         "prefill": a.prefill if a else None, "decode": a.decode if a else None, "attempts": len(rec.attempts),

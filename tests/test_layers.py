@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,3 +28,65 @@ def test_h1lite_imports_neither_pdgate_nor_engine() -> None:
 def test_engine_imports_only_pdgate_protocol(module: str) -> None:
     mods = loaded_after(f"import {module}")
     assert {m for m in mods if m.split(".")[0] == "pdgate"} <= {"pdgate", "pdgate.protocol"}
+
+
+# pdgate's modules from the ground up: each imports only modules before it (docs/architecture.md, "Parts"). A module
+# not listed fails the test: give it its place. The request path runs context -> relay -> aborts -> admission ->
+# attempt -> outcome -> proxy; the gateway assembles it; the planes (control, admin, server) sit on top.
+LAYERS = """
+errors protocol record rid scope queueing views config validation policies auth deadlines metrics access_log otel traces
+upstream engines.base engines engines.sglang engines.kinds workers routing
+context observe relay aborts admission attempt outcome proxy
+health reconcile gateway multi control dashboard admin siblings server up cli __main__ __init__
+""".split()
+
+
+def pdgate_imports() -> dict[str, set[str]]:
+    """Every pdgate module -> the pdgate modules it imports (TYPE_CHECKING imports and imports inside functions
+    count: an import is an arrow whatever runs it)."""
+    pkg = ROOT / "pdgate"
+    names = {".".join(p.relative_to(pkg).with_suffix("").parts) for p in pkg.rglob("*.py")}
+    names = {n.removesuffix(".__init__") if n != "__init__" else n for n in names}
+    out: dict[str, set[str]] = {}
+    for p in pkg.rglob("*.py"):
+        rel = ".".join(p.relative_to(pkg).with_suffix("").parts)
+        mod = rel.removesuffix(".__init__") if rel != "__init__" else rel
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "pdgate":
+                base = node.module.removeprefix("pdgate").lstrip(".") or "__init__"
+                for a in node.names:
+                    full = f"{base}.{a.name}" if base != "__init__" else a.name
+                    deps.add(full if full in names else base)
+            elif isinstance(node, ast.Import):
+                deps |= {a.name.removeprefix("pdgate.") for a in node.names if a.name.startswith("pdgate.")}
+        out[mod] = deps - {mod}
+    return out
+
+
+def upward(graph: dict[str, set[str]], layers: list[str]) -> list[str]:
+    """The imports that do not run down ``layers``: every circle has at least one."""
+    place = {m: i for i, m in enumerate(layers)}
+    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if place[d] >= place[m])
+
+
+def test_pdgate_has_no_import_circle_and_every_module_imports_only_below_itself() -> None:
+    graph = pdgate_imports()
+    assert set(graph) == set(LAYERS), f"give these modules their place in LAYERS: {sorted(set(graph) ^ set(LAYERS))}"
+    assert not upward(graph, LAYERS), f"imports that run up (or round a circle): {upward(graph, LAYERS)}"
+
+
+def test_the_layer_check_finds_a_circle() -> None:
+    """The check above on a circle (proxy -> attempt -> proxy): it fails there, whatever order is given."""
+    graph = {"record": set(), "attempt": {"record", "proxy"}, "proxy": {"attempt"}}
+    assert upward(graph, ["record", "attempt", "proxy"]) == ["attempt -> proxy"]
+    assert upward(graph, ["record", "proxy", "attempt"]) == ["proxy -> attempt"]
+
+
+def test_only_the_engine_adapter_names_sglang_on_the_request_path() -> None:
+    """The request path, health and reconciliation reach engines through their adapter alone."""
+    for name in ("context", "relay", "aborts", "admission", "attempt", "outcome", "proxy", "health", "reconcile",
+                 "routing", "observe", "upstream", "workers"):
+        text = (ROOT / "pdgate" / f"{name}.py").read_text()
+        assert "protocol" not in pdgate_imports()[name], f"pdgate.{name} imports SGLang's wire constants"
+        assert not re.search(r"bootstrap_room|abort_request|/server_info|/v1/loads|/pdgate/v1/", text), name

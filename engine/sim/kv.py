@@ -78,6 +78,24 @@ class KVSender:
         if not ok:
             raise TransferFailed(f"decode refused the KV transfer ({line!r})")
 
+    async def fail(self, dest: dict[str, Any], room: int, reason: str) -> None:
+        """Tell the decode at ``dest`` that ``room``'s transfer failed on this side (best effort)."""
+        if dest.get("backend") != "tcp":
+            return
+        try:
+            reader, writer = await asyncio.open_connection(dest["host"], int(dest["port"]))
+        except OSError:
+            return
+        try:
+            writer.write(orjson.dumps({"room": room, "failed": reason[:200], "nbytes": 0, "crc": zlib.crc32(b"")})
+                         + b"\n")
+            await writer.drain()
+            await reader.readline()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
     def drop(self, key: tuple[str, int]) -> None:
         for _, w in self._idle.pop(key, []):
             w.close()

@@ -38,6 +38,7 @@ _COUNTERS = {
     "num_transfer_failed_reqs": ("transfer_failed", "KV transfer failures"),
     "num_prefill_inflight_timeout_reqs": ("inflight_timeouts", "Force-failed by the inflight watchdog (fix C)"),
     "num_lost_aborts": ("lost_aborts", "Aborts lost to the abort_race fault"),
+    "num_leaked_reqs": ("leaked", "Decode requests leaked by an abort during their KV transfer (fix A off)"),
     "prompt_tokens": ("prompt_tokens", "Prompt tokens"),
     "generation_tokens": ("generation_tokens", "Generated tokens"),
     "num_prefill_forwards": ("prefill_forwards", "Prefill forwards computed (the sim's own counter)"),

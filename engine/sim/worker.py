@@ -6,8 +6,14 @@ decode) -> answers after the transfer reached Success, or 500 on Failed.
 Decode: prealloc (handshake with the prefill's bootstrap server; KV budget) -> transfer
 (waits for the KV bytes and the first token) -> running (continuous batching).
 
-Fixes (on by default, DESIGN.md): A an abort always releases a bootstrapping or
-transferring request; B the bootstrap wait is bounded; C inflight-queue watchdog.
+Fixes (on by default; docs/architecture.md, "The engine-side fixes"): A an abort always releases a bootstrapping
+or transferring request; B the bootstrap wait is bounded; C inflight-queue watchdog.
+
+Without fix A, two hazards of SGLang are modelled: an abort that lands while a prefill is in its inflight
+queue is lost (fault ``abort_race``); and a decode aborted while it waits for its KV transfer is torn down
+mid-transfer and leaks (it stays in the transfer queue holding its KV, as SGLang "can crash or leak" there).
+A prefill that fails or is aborted after its decode registered tells that decode (TCP backend), which then
+fails the request itself, as SGLang's prefill syncs a Failed status to the decode.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ class SimRequest:
     task: asyncio.Task[Any] | None = None  # the engine work (prefill or decode); an abort cancels it
     aborted_in: str | None = None  # the queue an abort that took effect found the request in
     lost_aborts: int = 0
+    leaked: bool = False  # torn down mid-transfer without fix A: it never leaves its queue
     # decode output
     tokens: list[str] = field(default_factory=list)
     finish: dict[str, Any] | None = None
@@ -105,6 +112,7 @@ class Counters:
         self.transfer_failed = 0
         self.inflight_timeouts = 0
         self.lost_aborts = 0
+        self.leaked = 0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.prefill_forwards = 0  # prefills computed (work done, whether anyone received it or not)
@@ -206,9 +214,19 @@ class Engine:
         hit = [r for r in list(self.reqs.values()) if abort_all or r.rid.startswith(rid)]
         for r in hit:
             if r.aborted_in is None and r.task is not None and not r.task.done() and self._abort_applies(r):
+                if self._leaks(r):
+                    continue
                 r.aborted_in = r.queue
                 r.task.cancel()  # lands at the request's current wait, wherever it is
         return len(hit)
+
+    def _leaks(self, req: SimRequest) -> bool:
+        """Without fix A, a decode torn down while it waits for its KV leaks: it stays, holding its KV."""
+        if not req.leaked and "A" not in self.cfg.fixes and self.cfg.role == "decode" and req.queue == "transfer":
+            req.leaked = True
+            self.counters.leaked += 1
+            log.error("abort during the KV transfer (fix A off): rid=%s room=%s leaks", req.rid, req.room)
+        return req.leaked
 
     async def _abortable(self, req: SimRequest, work: Awaitable[T]) -> T:
         """Run one request's engine work in this task; an abort's cancellation becomes ``Aborted``."""
@@ -279,6 +297,10 @@ class Engine:
             self.enter(req, "inflight")
             await self._transfer(req, dest, first)
             return first
+        except BaseException as exc:  # aborted or failed after its decode registered: that decode is told
+            if room_fut.done() and not room_fut.cancelled():
+                self.track(asyncio.ensure_future(self.sender.fail(room_fut.result(), req.room, repr(exc))))
+            raise
         finally:
             self._rooms.pop(req.room, None)
             self.leave(req)
@@ -317,9 +339,12 @@ class Engine:
     # ---- decode ------------------------------------------------------------------
     def _deliver_kv(self, header: dict[str, Any]) -> bool:
         req = self._by_room.get(header.get("room"))  # type: ignore[arg-type]
-        if req is None or req.kv_header is None or req.kv_header.done():
+        if req is None or req.kv_header is None or req.kv_header.done() or req.leaked:
             return False
-        req.kv_header.set_result(header)
+        if header.get("failed"):  # its prefill failed or was aborted: so does this request
+            req.kv_header.set_exception(EngineError(500, f"KV transfer failed: the prefill reported {header['failed']}"))
+        else:
+            req.kv_header.set_result(header)
         return True
 
     async def decode(self, req: SimRequest) -> None:
