@@ -10,8 +10,8 @@ written back to back (``--tokens-per-s 0``, the default), or paced: one
 delay from it), the first at a random offset within ``1/R`` (so that the ticks of many streams
 spread out), the ticks of all streams grouped by millisecond (``Ticker``: one wake-up per millisecond,
 not per event) and no JSON encoding per event; a stream stops when
-its client leaves. The prefill always answers at once. This is the "zero-cost fake worker" setting of
-``../shared/reference/peers.md``, where the gateway, not the workers, bounds throughput;
+its client leaves. The prefill always answers at once. This is the "zero-cost fake worker" setting of the
+baselines in BENCHMARKS.md, where the gateway, not the workers, bounds throughput;
 it runs on the h1lite HTTP layer (as engine.sim does) because an aiohttp worker would cost more than the
 gateways under test.
 """

@@ -1,7 +1,8 @@
 """Wire constants shared by the gateway and the engines.
 
-This is the one module that both ``pdgate`` and ``engine`` may import (DESIGN.md,
-"Dependency direction"). It holds names only: paths, field names, queue names.
+This is the one module that both ``pdgate`` and ``engine`` may import (``docs/architecture.md``, "Parts"); in
+``pdgate`` only the SGLang adapter (``pdgate/engines/sglang.py``) and the config's default bootstrap port use it.
+It holds names only: paths, field names, queue names.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ SERVER_INFO_PATH = "/server_info"
 LOADS_PATH = "/v1/loads"
 METRICS_PATH = "/metrics"
 
-# The pdgate engine extension (DESIGN.md, "Engine extension").
+# The pdgate engine extension (README "Engine extension").
 EXT_REQUESTS_PATH = "/pdgate/v1/requests"
 EXT_FAULTS_PATH = "/pdgate/v1/faults"
 # Identity and fixes of a real SGLang worker started by engine/sglang (its /server_info is SGLang's own).

@@ -1,6 +1,6 @@
 """``pdgate up``: the supervisor's workers and the gateway in one command.
 
-This is the one place where the gateway and ``engine`` meet (DESIGN.md).
+This is the one place where the gateway and ``engine`` meet (``docs/architecture.md``, "Parts").
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from pdgate.rid import Rid
+
 BAR = 30
 
 
@@ -112,6 +114,9 @@ def trace_view(t: dict[str, Any]) -> Group:
     head.add_column(no_wrap=True, style="dim")
     head.add_column(overflow="fold")
     head.add_row("request", _s(t["id"]))
+    rid = Rid.parse(str(t["id"]))
+    if rid is not None:  # who owns it: the gateway process (instance) that admitted it, and its place in order
+        head.add_row("instance", _s(f"{rid.instance}  request #{rid.seq}"))
     head.add_row("route", _s(f"{t['route']}  model {t.get('model') or '-'}  stream {t['stream']}"))
     outcome = t.get("outcome") or t["phase"]
     head.add_row("outcome", Text(f"{_s(outcome).plain}  status {_s(t.get('status')).plain}",

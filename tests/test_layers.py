@@ -1,4 +1,5 @@
-"""Dependency direction (DESIGN.md): h1lite knows neither side; engine imports only pdgate's wire constants."""
+"""Dependency direction (docs/architecture.md, "Parts"): h1lite knows neither side; engine imports only pdgate's wire
+constants; pdgate's own modules form layers without a circle."""
 
 from __future__ import annotations
 

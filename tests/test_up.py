@@ -130,6 +130,7 @@ def test_pdgate_up_end_to_end(procs: Procs, tmp_path: Path) -> None:
     out = cli(admin, "trace", rid, key_file=key_file)
     for s in (rid, "completed", "prefill+transfer", "decode_done", "attempt 1"):
         assert s in out, s
+    assert f"instance  {rid.split('-')[1]}  request #1" in out, "the id read back: who owns it, its place"
     out = cli(admin, "workers", key_file=key_file)
     assert out.count(" up ") == 2 and "p0" in out and "d0" in out
     assert "live requests: 0" in cli(admin, "ps", key_file=key_file)

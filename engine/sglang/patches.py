@@ -1,4 +1,4 @@
-"""The engine-side fixes A, B, C as patches on SGLang 0.5.23 classes (DESIGN.md, "engine-side fixes").
+"""The engine-side fixes A, B, C as patches on SGLang 0.5.23 classes (``docs/architecture.md``, "The engine-side fixes").
 
 Each ``patch_*`` takes the class to patch, so the logic is tested against stand-ins that
 mirror the upstream signatures (tests/engine/test_sglang_patches.py); ``engine.sglang.worker``

@@ -53,6 +53,7 @@ FAULTS: dict[str, Any] = {
     # separate reads) or held back and merged with the next one
     "segment": _rate,
     "segment_seed": int,
+    "split_stall": _seconds,  # every write: its first half, this long a pause, then the rest (stuck mid-event)
 }
 
 

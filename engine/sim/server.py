@@ -120,6 +120,7 @@ class Segmenter:
     and merged into the next write. Seeded by ``segment_seed`` (a scenario replays exactly)."""
 
     def __init__(self, engine: Engine) -> None:
+        self.faults = engine.cfg.faults
         self.rate = float(engine.cfg.faults.segment)
         self.rng = engine.segment_rng
         self.held = b""
@@ -127,6 +128,12 @@ class Segmenter:
     async def write(self, s: Stream, data: bytes, last: bool = False) -> None:
         data, self.held = self.held + data, b""
         rng = self.rng
+        stall = float(self.faults.split_stall)
+        if stall and len(data) > 1:  # fault split_stall: half of it, a pause, the rest (a peer stuck mid-event)
+            s.send(data[:len(data) // 2])
+            await s.drain()
+            await asyncio.sleep(stall)
+            data = data[len(data) // 2:]
         if not self.rate or rng.random() >= self.rate or not data:
             s.send(data)
             await s.drain()
@@ -349,6 +356,7 @@ async def _decode(request: Request, engine: Engine, ps: Parsed, req: SimRequest,
             await _await_or_abort(engine, req, task)
         except EngineError as exc:
             return error(exc.status, exc.message, exc.kind)
+        engine.sent.append({"rid": req.rid, "tokens": len(req.tokens), "text": "".join(req.tokens), "whole": True})
         return await send_json(request, engine, full_body(ps, req, req.tokens, req.finish, model, "decode"))
     try:
         s = request.open_stream(200, SSE)
@@ -372,6 +380,7 @@ async def _decode(request: Request, engine: Engine, ps: Parsed, req: SimRequest,
                 break
             await req.progress.wait()
         exc = task.exception()
+        engine.sent.append({"rid": req.rid, "tokens": sent, "text": "".join(req.tokens[:sent]), "whole": exc is None})
         tail = b""
         if isinstance(exc, EngineError):
             err = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
@@ -497,9 +506,13 @@ def build_router(engine: Engine) -> Router:
     async def ext_seen(_: Request) -> Response:
         return jsonr({"seen": list(engine.seen)})
 
+    async def ext_sent(_: Request) -> Response:
+        return jsonr({"sent": list(engine.sent)})
+
     if cfg.extension:
         r.add("GET", p.EXT_REQUESTS_PATH, ext_requests)
         r.add("GET", "/pdgate/v1/seen", ext_seen)  # the last requests' rid and trace context (tests read it)
+        r.add("GET", "/pdgate/v1/sent", ext_sent)  # what the last answers carried (the oracle reads it)
     for method in ("GET", "POST"):
         r.add(method, p.EXT_FAULTS_PATH, ext_faults)
     return r

@@ -146,6 +146,8 @@ class Engine:
         self._http: Client | None = None  # keep-alive connections to prefill bootstrap servers
         self._tasks: set[asyncio.Task[Any]] = set()
         self.seen: deque[dict[str, Any]] = deque(maxlen=64)  # the last generation requests' rid and traceparent
+        # decode: what the last answers carried, by rid (tokens and text), for a test to judge a client's answer by
+        self.sent: deque[dict[str, Any]] = deque(maxlen=1024)
 
     # ---- lifecycle ---------------------------------------------------------------
     async def start(self) -> None:
@@ -213,6 +215,8 @@ class Engine:
         """SGLang's /abort_request: prefix match on rid; unknown rid is a no-op."""
         hit = [r for r in list(self.reqs.values()) if abort_all or r.rid.startswith(rid)]
         for r in hit:
+            if r.queue == "accepting":  # not at the scheduler yet: the abort finds nothing to stop
+                continue
             if r.aborted_in is None and r.task is not None and not r.task.done() and self._abort_applies(r):
                 if self._leaks(r):
                     continue
@@ -252,9 +256,11 @@ class Engine:
             return False
         return True
 
-    async def _accept_delay(self) -> None:
-        """Fault slow_accept: the request reaches the scheduler late; an abort sent earlier finds nothing."""
+    async def _accept_delay(self, req: SimRequest) -> None:
+        """Fault slow_accept: the request reaches the scheduler late; an abort sent earlier finds nothing. It is
+        listed meanwhile (queue ``accepting``): the engine holds it, aborts do not reach it yet."""
         if self.cfg.faults.slow_accept:
+            self.enter(req, "accepting")
             await asyncio.sleep(self.cfg.faults.slow_accept)
 
     # ---- prefill -----------------------------------------------------------------
@@ -273,7 +279,7 @@ class Engine:
 
     async def _prefill(self, req: SimRequest) -> str:
         assert req.room is not None
-        await self._accept_delay()
+        await self._accept_delay(req)
         self.enter(req, "bootstrap")
         room_fut = self._rooms.get(req.room)
         if room_fut is None:
@@ -353,9 +359,10 @@ class Engine:
 
     async def _decode(self, req: SimRequest) -> None:
         assert self.receiver is not None and self._http is not None
-        await self._accept_delay()
+        await self._accept_delay(req)
         req.kv_header = asyncio.get_running_loop().create_future()
         if req.room in self._by_room:
+            self.leave(req)
             raise EngineError(400, f"bootstrap_room {req.room} is already in use on this decode worker")
         self._by_room[req.room] = req  # type: ignore[index]
         self.enter(req, "prealloc")

@@ -1,11 +1,20 @@
 """The oracle: generated scenarios against the real gateway and real sim processes, every request checked
-against the promise (issue 12).
+against the promise.
 
 A scenario is a handful of requests (route x stream x budgets, idle sometimes shorter than the time to the
 first token) x client behaviour (reads all, leaves before the first token or mid-stream, reads slowly) x
 faults switched at random moments (every sim fault, SIGKILL and SIGSTOP of a worker) x the sims'
 re-segmentation of every response (cut at random offsets, merged), sometimes a drain or an operator abort
-at the very moment a deadline expires. ``check_record`` / ``check_client`` name the invariant a request broke, and ``run`` adds the
+at the very moment a deadline expires. Some shapes are drawn on purpose, each for the mechanism it needs:
+streams whose decodes stall (idle, re-arming), a drain under load, a deadline and a drain or abort at once,
+legs the gateway alone can free (reconciliation off, a decode that notices a gone client late), and aborts
+that are lost (only reconciliation frees them).
+
+The oracle trusts nothing the gateway says: it computes each request's budgets from what it sent (its
+headers, the config's defaults and caps) and judges deadlines and gaps on the client's own clock (its send
+and receive times); every answer is checked (a 200's body parses, its text and token count are what the
+decode sim says it sent); the gateway's record is read only to cross-check the status it recorded, and its
+live tables only to find leaks. ``check_client`` names the invariant a request broke and ``run`` adds the
 scenario's seed; the same seed replays the sims' segmentation.
 """
 
@@ -21,10 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 from hypothesis import strategies as st
 
 from pdgate.config import AdmissionConfig, DeadlineConfig, HealthConfig, ReconcileConfig
-from pdgate.record import Phase, Record
 from pdgate.scope import Cause, Reason
 from tests.engine.simclient import engine_requests, set_faults
 from tests.pdgate.harness import Running, make_config, start_gateway
@@ -33,12 +42,16 @@ from tests.procs import Procs, Sim, wait_http
 
 TOL = 0.35  # seconds a terminal answer may come after the budget that applies (timers, a loaded 2-core CI)
 TOTAL, TTFT, IDLE = 4.0, 3.0, 2.0  # the gateway's defaults in the oracle: every scenario ends within seconds
+MAX_TOTAL, MAX_TTFT, MAX_IDLE = DeadlineConfig().max_total_s, DeadlineConfig().max_ttft_s, DeadlineConfig().max_idle_s
+# the sims notice a client that left only after this (SGLang: SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s by default):
+# an engine that notices late, so that only the gateway's aborts free what it leaves
+SIM_ENV = {"SGLANG_REQUEST_STATE_WAIT_TIMEOUT": "30"}
 DECODE_ARGS = ("--speed", "8")  # ~30 ms a token: streams last long enough for faults to land in them
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
 SIM_FAULTS = ("slow_prefill", "decode_freeze", "decode_stall", "http_500_rate", "slow_first_token", "decode_crash", "abort_race",
               "ack_loss", "bootstrap_loss", "slow_accept")
 OFF = {"slow_prefill": 0, "decode_freeze": False, "decode_stall": False, "http_500_rate": 0, "slow_first_token": 0, "decode_crash": False,
-       "abort_race": False, "ack_loss": False, "bootstrap_loss": False, "slow_accept": 0}
+       "abort_race": False, "ack_loss": False, "bootstrap_loss": False, "slow_accept": 0, "split_stall": 0}
 
 
 @dataclass(frozen=True)
@@ -46,7 +59,7 @@ class Req:
     route: str
     stream: bool
     max_tokens: int
-    total: float | None
+    total: float | None  # the budgets it asks for in its headers (None: not sent)
     ttft: float | None
     idle: float | None
     client: str  # "reads" | "leaves_before_first" | "leaves_mid" | "slow_reader"
@@ -57,10 +70,11 @@ class Req:
 @dataclass(frozen=True)
 class Fault:
     at: float
-    worker: int  # index into the scenario's sims, or ALL_DECODES
+    worker: int  # index into the scenario's sims, ALL_PREFILLS or ALL_DECODES
     kind: str  # a sim fault, or "sigkill" / "sigstop"
     value: float
-    lasts: float
+    lasts: float  # then switched off; a "persist" fault stays on until the next scenario (its leftovers checked meanwhile)
+    persist: bool = False
 
 
 @dataclass(frozen=True)
@@ -73,9 +87,12 @@ class Scenario:
     drain_s: float
     at_deadline: str | None  # "drain" | "abort": fired by a timer at the first request's due time
     capacity: int = 0  # admission control's capacity per worker (0: the engines' 1024, nothing queues)
+    reconcile: bool = True  # off: only the gateway's own aborts free what a request leaves on the engines
 
 
 budget = st.one_of(st.none(), st.floats(0.1, 3.0).map(lambda x: round(x, 2)), st.sampled_from((0.2, 0.5, 1.0)))
+seeds = st.integers(0, 2**31)
+segments = st.sampled_from((0.0, 0.5, 1.0))
 
 
 @st.composite
@@ -87,7 +104,7 @@ def requests(draw: st.DrawFn) -> Req:
                leave_after=draw(st.integers(1, 6)), start=draw(st.floats(0, 0.3)))
 
 
-ALL_DECODES = 4
+ALL_PREFILLS, ALL_DECODES = 5, 4
 DECODE_SIDE = ("decode_freeze", "decode_stall", "slow_first_token", "decode_crash", "ack_loss", "bootstrap_loss")
 PREFILL_SIDE = ("slow_prefill",)
 
@@ -105,8 +122,7 @@ def faults(draw: st.DrawFn) -> Fault:
 @st.composite
 def free_scenarios(draw: st.DrawFn) -> Scenario:
     drain = draw(st.one_of(st.none(), st.none(), st.none(), st.floats(0.2, 1.5)))
-    return Scenario(seed=draw(st.integers(0, 2**31)), segment=draw(st.sampled_from((0.0, 0.5, 1.0))),
-                    reqs=tuple(draw(st.lists(requests(), min_size=1, max_size=4))),
+    return Scenario(seed=draw(seeds), segment=draw(segments), reqs=tuple(draw(st.lists(requests(), min_size=1, max_size=4))),
                     faults=tuple(draw(st.lists(faults(), max_size=2))), drain=drain,
                     drain_s=draw(st.sampled_from((0.0, 0.3))),
                     at_deadline=draw(st.sampled_from((None, None, None, "drain", "abort"))),
@@ -115,8 +131,9 @@ def free_scenarios(draw: st.DrawFn) -> Scenario:
 
 @st.composite
 def stalled_streams(draw: st.DrawFn) -> Scenario:
-    """The shape behind most stuck requests, drawn often on purpose: streams under way when every decode
-    stops making tokens (a gray failure: /health still answers) or answers its first token late."""
+    """The shape behind most stuck requests: streams under way when every decode stops making tokens (a gray
+    failure: /health still answers) or answers its first token late; idle budgets shorter than the TTFT one
+    (the watchdog must re-arm at the first token)."""
     reqs = tuple(Req(route=draw(st.sampled_from(ROUTES)), stream=True, max_tokens=draw(st.integers(12, 40)),
                      total=draw(budget), ttft=draw(budget), idle=draw(st.sampled_from((0.2, 0.4, 0.8))),
                      client="reads", leave_after=1, start=draw(st.floats(0, 0.1)))
@@ -124,8 +141,8 @@ def stalled_streams(draw: st.DrawFn) -> Scenario:
     kind = draw(st.sampled_from(("decode_stall", "decode_stall", "slow_first_token")))
     fault = Fault(at=draw(st.floats(0.05, 0.4)), worker=ALL_DECODES, kind=kind,
                   value=draw(st.sampled_from((0.5, 1.0, 1.5))), lasts=draw(st.floats(0.8, 2.5)))
-    return Scenario(seed=draw(st.integers(0, 2**31)), segment=draw(st.sampled_from((0.0, 0.5, 1.0))), reqs=reqs,
-                    faults=(fault,), drain=None, drain_s=0.0, at_deadline=None)
+    return Scenario(seed=draw(seeds), segment=draw(segments), reqs=reqs, faults=(fault,), drain=None, drain_s=0.0,
+                    at_deadline=None)
 
 
 @st.composite
@@ -137,12 +154,78 @@ def drained_under_load(draw: st.DrawFn) -> Scenario:
                  for _ in range(draw(st.integers(1, 3))))
     fault = Fault(at=draw(st.floats(0.0, 0.2)), worker=ALL_DECODES, kind="decode_stall", value=1.0,
                   lasts=draw(st.floats(2.0, 3.0)))
-    return Scenario(seed=draw(st.integers(0, 2**31)), segment=draw(st.sampled_from((0.0, 0.5, 1.0))), reqs=reqs,
-                    faults=(fault,), drain=draw(st.floats(0.3, 0.8)), drain_s=draw(st.sampled_from((0.0, 0.3))),
-                    at_deadline=None)
+    return Scenario(seed=draw(seeds), segment=draw(segments), reqs=reqs, faults=(fault,), drain=draw(st.floats(0.3, 0.8)),
+                    drain_s=draw(st.sampled_from((0.0, 0.3))), at_deadline=None)
 
 
-scenarios = lambda: st.one_of(free_scenarios(), stalled_streams(), drained_under_load())  # noqa: E731
+@st.composite
+def two_causes(draw: st.DrawFn) -> Scenario:
+    """A deadline and a drain or an operator's abort in the same instant (a timer set for the deadline's own
+    time), on a request that cannot have its first token by then (every prefill slow): the first cause must be
+    the answer (``first-cause``)."""
+    req = Req(route=draw(st.sampled_from(ROUTES)), stream=draw(st.booleans()), max_tokens=8, total=None,
+              ttft=draw(st.sampled_from((0.3, 0.5))), idle=None, client="reads", leave_after=1, start=0.0)
+    fault = Fault(at=0.0, worker=ALL_PREFILLS, kind="slow_prefill", value=2.0, lasts=1.0)
+    return Scenario(seed=draw(seeds), segment=draw(segments), reqs=(req,), faults=(fault,), drain=None,
+                    drain_s=0.0, at_deadline=draw(st.sampled_from(("drain", "abort"))))
+
+
+@st.composite
+def abandoned_legs(draw: st.DrawFn) -> Scenario:
+    """Streams that end on their idle budget while every decode stays stalled, with reconciliation off and
+    engines that notice a gone client late (``SIM_ENV``): only the gateway's aborts of both legs free them."""
+    reqs = tuple(Req(route=draw(st.sampled_from(ROUTES)), stream=True, max_tokens=30, total=None, ttft=None,
+                     idle=draw(st.sampled_from((0.2, 0.3))), client="reads", leave_after=1, start=0.0)
+                 for _ in range(draw(st.integers(1, 2))))
+    fault = Fault(at=draw(st.floats(0.1, 0.2)), worker=ALL_DECODES, kind="decode_stall", value=1.0, lasts=0.0,
+                  persist=True)
+    return Scenario(seed=draw(seeds), segment=draw(segments), reqs=reqs, faults=(fault,), drain=None, drain_s=0.0,
+                    at_deadline=None, reconcile=False)
+
+
+@st.composite
+def lost_aborts(draw: st.DrawFn) -> Scenario:
+    """Aborts that cannot land: each prefill takes a request in only after the abort and its repeats came and
+    went (``slow_accept``), and its decode never hands it a destination (``bootstrap_loss``): the prefill would
+    wait in its bootstrap queue for minutes. Only reconciliation, which knows the rid for one of this
+    gateway's, frees it."""
+    reqs = tuple(Req(route=draw(st.sampled_from(ROUTES)), stream=draw(st.booleans()), max_tokens=8, total=None,
+                     ttft=draw(st.sampled_from((0.3, 0.5))), idle=None, client="reads", leave_after=1, start=0.0)
+                 for _ in range(draw(st.integers(1, 2))))
+    return Scenario(seed=draw(seeds), segment=draw(segments), reqs=reqs, drain=None, drain_s=0.0, at_deadline=None,
+                    faults=(Fault(0.0, ALL_PREFILLS, "slow_accept", 2.2, 0.0, persist=True),
+                            Fault(0.0, ALL_DECODES, "bootstrap_loss", 1.0, 0.0, persist=True)))
+
+
+scenarios = lambda: st.one_of(free_scenarios(), stalled_streams(), drained_under_load(), two_causes(),  # noqa: E731
+                              abandoned_legs(), lost_aborts())
+
+CHAT_STREAM = Req("/v1/chat/completions", True, 30, None, None, 0.3, "reads", 1, 0.0)
+# Each shape a mechanism needs, run in every oracle run besides the generated ones (whatever hypothesis draws):
+SHAPES = (
+    # idle much shorter than TTFT, every decode stalled after a few tokens: the watchdog must re-arm
+    Scenario(1, 0.0, (CHAT_STREAM,), (Fault(0.15, ALL_DECODES, "decode_stall", 1.0, 1.5),), None, 0.0, None),
+    # every decode stuck in the middle of an event when the idle budget runs out: the gateway's own error event
+    # must not land inside the engine's half event (events are judged and relayed whole)
+    Scenario(2, 0.0, (CHAT_STREAM, Req("/generate", True, 20, None, None, 0.3, "reads", 1, 0.0)),
+             (Fault(0.15, ALL_DECODES, "split_stall", 1.0, 0.0, persist=True),), None, 0.0, None),
+    # a drain while every decode stalls: answered by drain_s
+    Scenario(3, 0.0, (dataclasses.replace(CHAT_STREAM, idle=None), Req("/v1/completions", False, 20, None, None, None,
+                                                                       "reads", 1, 0.0)),
+             (Fault(0.1, ALL_DECODES, "decode_stall", 1.0, 2.5),), 0.5, 0.3, None),
+    # a deadline and a drain, a deadline and an operator's abort, at once
+    Scenario(4, 0.0, (Req("/v1/chat/completions", False, 8, None, 0.4, None, "reads", 1, 0.0),),
+             (Fault(0.0, ALL_PREFILLS, "slow_prefill", 2.0, 1.0),), None, 0.0, "drain"),
+    Scenario(5, 0.0, (Req("/generate", True, 8, None, 0.4, None, "reads", 1, 0.0),),
+             (Fault(0.0, ALL_PREFILLS, "slow_prefill", 2.0, 1.0),), None, 0.0, "abort"),
+    # legs only the gateway's aborts free (reconciliation off, engines that notice a gone client late)
+    Scenario(6, 0.0, (CHAT_STREAM,), (Fault(0.15, ALL_DECODES, "decode_stall", 1.0, 0.0, persist=True),), None, 0.0,
+             None, reconcile=False),
+    # aborts that cannot land: only reconciliation frees the prefill
+    Scenario(7, 0.0, (Req("/v1/chat/completions", False, 8, None, 0.4, None, "reads", 1, 0.0),), (
+        Fault(0.0, ALL_PREFILLS, "slow_accept", 2.2, 0.0, persist=True),
+        Fault(0.0, ALL_DECODES, "bootstrap_loss", 1.0, 0.0, persist=True)), None, 0.0, None),
+)
 
 
 @dataclass
@@ -154,7 +237,7 @@ class Cluster:
 
     def start(self) -> None:
         for role, extra in (("prefill", ()), ("prefill", ()), ("decode", DECODE_ARGS), ("decode", DECODE_ARGS)):
-            self.sims.append(self.procs.sim(role, *extra))
+            self.sims.append(self.procs.sim(role, *extra, env=SIM_ENV))
 
     def revive(self) -> None:
         for i, s in enumerate(self.sims):
@@ -163,7 +246,8 @@ class Cluster:
                 os.kill(s.proc.pid, signal.SIGCONT)
                 continue
             extra = DECODE_ARGS if s.role == "decode" else ()
-            self.sims[i] = self.procs.sim(s.role, *extra, port=s.port, bootstrap_port=s.bootstrap_port, wait=False)
+            self.sims[i] = self.procs.sim(s.role, *extra, env=SIM_ENV, port=s.port, bootstrap_port=s.bootstrap_port,
+                                          wait=False)
             wait_http(f"{self.sims[i].url}/health", proc=self.sims[i].proc.popen)
 
 
@@ -197,8 +281,9 @@ async def client(http: aiohttp.ClientSession, url: str, r: Req) -> Seen:
 
 async def inject(http: aiohttp.ClientSession, cl: Cluster, f: Fault) -> None:
     await asyncio.sleep(f.at)
-    if f.worker == ALL_DECODES:
-        await asyncio.gather(*(inject(http, cl, dataclasses.replace(f, at=0, worker=i)) for i in (2, 3)))
+    if f.worker in (ALL_DECODES, ALL_PREFILLS):
+        both = (2, 3) if f.worker == ALL_DECODES else (0, 1)
+        await asyncio.gather(*(inject(http, cl, dataclasses.replace(f, at=0, worker=i)) for i in both))
         return
     s = cl.sims[f.worker]
     if f.kind == "sigkill":
@@ -214,15 +299,18 @@ async def inject(http: aiohttp.ClientSession, cl: Cluster, f: Fault) -> None:
         value = True
     try:
         await set_faults(http, s, **{f.kind: value})
+        if f.persist:  # switched off when the next scenario starts
+            return
         await asyncio.sleep(f.lasts)
         await set_faults(http, s, **{f.kind: OFF[f.kind]})
     except aiohttp.ClientError:
         pass  # killed meanwhile
 
 
-async def at_deadline(g: Running, what: str) -> None:
-    """Fire a drain or an operator abort by a timer set to the first live request's due time: the same loop
-    iteration as its deadline, two causes at once (first reason wins)."""
+async def at_deadline(g: Running, what: str, first: dict[str, str]) -> None:
+    """Fire a drain or an operator abort by a timer set for the first live request's own deadline timer: the
+    same loop iteration as its deadline, two causes at once. Which came first is noted when ours fires (the
+    deadline's already in, or not yet): ``first-cause`` then checks the client's answer names that one."""
     gw = g.gw
     loop = asyncio.get_running_loop()
     for _ in range(100):
@@ -232,11 +320,33 @@ async def at_deadline(g: Running, what: str) -> None:
     if not gw.live:
         return
     ctx = next(iter(gw.live.values()))
-    when = ctx.rec.due()[1] + (loop.time() - gw.now())
-    if what == "drain":
-        loop.call_at(when, gw.drain, "oracle: at a deadline")
-    else:
-        loop.call_at(when, ctx.cancel, Reason(Cause.OPERATOR))
+    timer = ctx.watchdog.handle
+    if timer is None:
+        return
+
+    def fire() -> None:
+        if not ctx.rec.live:
+            return
+        reason = ctx.scope.reason
+        first[ctx.rec.id] = "deadline" if reason is not None and reason.cause is Cause.DEADLINE else what
+        if what == "drain":
+            gw.drain("oracle: at a deadline")
+        else:
+            ctx.cancel(Reason(Cause.OPERATOR))
+
+    loop.call_at(timer.when(), fire)
+
+
+async def sent_by_decodes(http: aiohttp.ClientSession, cl: Cluster) -> dict[str, dict[str, Any]] | None:
+    """What the decode sims say they sent, by rid (None: a decode died meanwhile, its log with it)."""
+    out: dict[str, dict[str, Any]] = {}
+    for s in cl.sims[2:]:
+        try:
+            async with http.get(s.url + "/pdgate/v1/sent", timeout=aiohttp.ClientTimeout(total=2)) as r:
+                out.update({e["rid"]: e for e in (await r.json())["sent"]})
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+    return out
 
 
 async def run(cl: Cluster, sc: Scenario) -> list[str]:
@@ -245,8 +355,9 @@ async def run(cl: Cluster, sc: Scenario) -> list[str]:
     cfg = make_config(cl.sims[:2], cl.sims[2:], drain_s=sc.drain_s, prefill_grace_s=0.5, abort_timeout_s=0.5,
                       deadlines=DeadlineConfig(total_s=TOTAL, ttft_s=TTFT, idle_s=IDLE),
                       health=HealthConfig(interval_s=0.3, timeout_s=0.3, failures=2, degraded_after_s=30),
-                      reconcile=ReconcileConfig(interval_s=0.5, grace_s=0.5),
+                      reconcile=ReconcileConfig(enabled=sc.reconcile, interval_s=0.5, grace_s=0.5),
                       admission=AdmissionConfig(capacity=sc.capacity))
+    first: dict[str, str] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         for s in cl.sims:
             await set_faults(http, s, **OFF, segment=sc.segment, segment_seed=sc.seed)
@@ -256,7 +367,7 @@ async def run(cl: Cluster, sc: Scenario) -> list[str]:
             work = [asyncio.create_task(client(http, g.url, r)) for r in sc.reqs]
             side = [asyncio.create_task(inject(http, cl, f)) for f in sc.faults]
             if sc.at_deadline:
-                side.append(asyncio.create_task(at_deadline(g, sc.at_deadline)))
+                side.append(asyncio.create_task(at_deadline(g, sc.at_deadline, first)))
             drained_at = None
             if sc.drain is not None:
                 await asyncio.sleep(sc.drain)
@@ -266,13 +377,15 @@ async def run(cl: Cluster, sc: Scenario) -> list[str]:
             seen = await asyncio.gather(*work)
             await asyncio.gather(*side)
             cl.revive()
+            # a decode that was killed took its log of what it sent with it: that check cannot be made then
+            killed = any(f.kind in ("sigkill", "decode_crash") for f in sc.faults)
+            sent = None if killed else await sent_by_decodes(http, cl)
             for _ in range(int((TOTAL + TOL) / 0.02)):  # clients that left: the gateway notices at once, not before they go
                 if not g.gw.live:
                     break
                 await asyncio.sleep(0.02)
-            problems = [p for r, s in zip(sc.reqs, seen, strict=True) for p in check_client(g, r, s, drained_at)]
-            drain_by = None if drained_at is None else drained_at + sc.drain_s
-            problems += [p for rec in list(g.gw.traces.finished.values()) for p in check_record(rec, drain_by)]
+            problems = [p for r, s in zip(sc.reqs, seen, strict=True)
+                        for p in check_client(g, r, s, drained_at, sc.drain_s, sent, first)]
             problems += [f"terminal-outcome: {rid} still live" for rid in g.gw.traces.live]
             problems += queue_leftovers(g)
             problems += await leftovers(http, g, cl)
@@ -290,78 +403,137 @@ def queue_leftovers(g: Running) -> list[str]:
     return out
 
 
-def check_record(rec: Record, drain_by: float | None = None) -> list[str]:
-    """What every finished record must show, whoever ended it: no life past the budget due, nor past the
-    drain (``drain_by``: when the drain started + drain_s), and a deadline outcome that names the budget that
-    was due first given its recorded token times."""
-    if rec.live or rec.finished_at is None:
-        return [f"terminal-outcome: {rec.id} has no terminal record"]
-    out = []
-    end = rec.finished_at
-    if drain_by is not None and rec.created < drain_by and end > drain_by + TOL:
-        out.append(f"drain-answers: {rec.id} ended {end - drain_by:.3f}s after the drain's end ({rec.outcome}: {rec.reason})")
-    kind, due_at = rec.due()
-    if end > due_at + TOL:
-        out.append(f"within-deadline: {rec.id} ended {end - due_at:.3f}s after its {kind} budget was due "
-                   f"({rec.outcome.value if rec.outcome else None}: {rec.reason})")
-    ft = rec.first_token_at
-    if ft is not None and ft - rec.created > rec.deadlines.ttft_s + TOL:
-        out.append(f"ttft-enforced: {rec.id} got its first token {ft - rec.created:.3f}s in, past its TTFT budget "
-                   f"of {rec.deadlines.ttft_s:g}s")
-    if rec.outcome is Phase.DEADLINE_EXCEEDED:
-        named = (rec.reason or "").split(" ", 1)[0]
-        if named != kind:
-            out.append(f"budget-named: {rec.id} says {named}, but {kind} was due first given its token times")
-        elif end < due_at - 0.01:
-            out.append(f"budget-named: {rec.id} expired {due_at - end:.3f}s before its {kind} budget was due")
+@dataclass(frozen=True)
+class Budgets:
+    total: float
+    ttft: float
+    idle: float
+
+
+def budgets(r: Req) -> Budgets:
+    """What the request's budgets must be, from what it sent: its header, else the config's default; capped."""
+    def one(asked: float | None, default: float, cap: float) -> float:
+        return min(asked if asked is not None else default, cap)
+    return Budgets(one(r.total, TOTAL, MAX_TOTAL), one(r.ttft, TTFT, MAX_TTFT), one(r.idle, IDLE, MAX_IDLE))
+
+
+def dues(r: Req, b: Budgets, s: Seen, before: float) -> dict[str, float]:
+    """When each budget that applies is due, on the client's clock, given the tokens it saw before ``before``.
+    A non-streaming client sees no token: its TTFT budget applies until a prefill answer it cannot see."""
+    toks = [t for t in s.tokens if t <= before]
+    out = {"total": s.sent_at + b.total}
+    if not toks:
+        out["ttft"] = s.sent_at + b.ttft
+    elif r.stream:
+        out["idle"] = toks[-1] + b.idle
     return out
 
 
-def check_client(g: Running, r: Req, s: Seen, drained_at: float | None) -> list[str]:
-    """What the client must have seen: a terminal answer that agrees with the record."""
+def text_of(route: str, s: Seen, stream: bool) -> str | None:
+    """The text the client got (None: not an answer of that route's shape)."""
+    try:
+        if stream:
+            objs = [orjson.loads(d) for _, d in s.events if d != b"[DONE]" and not d.startswith(b'{"error"')]
+            if route == "/generate":
+                return str(objs[-1]["text"]) if objs else ""
+            key = "delta" if route.endswith("chat/completions") else None
+            return "".join((o["choices"][0][key].get("content") or "") if key else o["choices"][0]["text"]
+                           for o in objs if o.get("choices"))
+        obj = s.json
+        if route == "/generate":
+            return str(obj["text"])
+        c = obj["choices"][0]
+        return str(c["message"]["content"] if route.endswith("chat/completions") else c["text"])
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+        return None
+
+
+def check_client(g: Running, r: Req, s: Seen, drained_at: float | None, drain_s: float,
+                 sent: dict[str, dict[str, Any]] | None, first: dict[str, str]) -> list[str]:
+    """What the client must have seen, judged from what it sent and when it saw what."""
     if s.error == "left":
         return []
     if s.rid is None and drained_at is not None and s.sent_at >= drained_at and "Connect call failed" in (s.error or ""):
         return []  # sent after the gateway stopped listening: refused, as it should be
     if s.rid is None:
         return [f"terminal-answer: {r} got no answer: {s.error}"]
-    rec = g.gw.traces.get(s.rid)
-    if rec is None or rec.live:
-        return [f"terminal-outcome: {s.rid} has no terminal record"]
-    out = []
+    rid, b, end = s.rid, budgets(r), s.ended_at or time.monotonic()
     if s.error is not None:
-        out.append(f"terminal-answer: {s.rid} ({r.client}) broken answer: {s.error}")
-    elif r.stream and s.status == 200:
-        if s.done_count != 1 or not s.events or s.events[-1][1] != b"[DONE]":
-            out.append(f"one-done: {s.rid} stream ended with {s.done_count} [DONE] ({rec.outcome}: {rec.reason})")
-        if rec.outcome is Phase.COMPLETED:
-            if s.error_events:
-                out.append(f"one-done: {s.rid} completed but the client got an error event")
-            if len(s.tokens) != rec.chunks:
-                out.append(f"tokens-agree: {s.rid} client saw {len(s.tokens)} tokens, the record {rec.chunks}")
-        elif not s.error_events:
-            out.append(f"terminal-answer: {s.rid} {rec.outcome} stream without an error event")
-    elif s.status != 200:
+        return [f"terminal-answer: {rid} ({r.client}) broken answer: {s.error}"]
+    out: list[str] = []
+    streamed = r.stream and s.status == 200
+    errors = s.error_events if streamed else []
+    if streamed and (s.done_count != 1 or not s.events or s.events[-1][1] != b"[DONE]"):
+        out.append(f"one-done: {rid} stream ended with {s.done_count} [DONE]")
+    err: dict[str, Any] | None = errors[-1] if errors else None
+    if s.status != 200:
         try:
-            err = s.json["error"]
-            ok = isinstance(err["message"], str) and bool(err["code"])
+            err = dict(s.json["error"])
+            assert isinstance(err["message"], str) and err["code"]
         except Exception:
-            ok = False
-        if not ok:
-            out.append(f"terminal-answer: {s.rid} status {s.status} without an OpenAI error body: {s.body[:80]!r}")
-        if s.status != rec.status:
-            out.append(f"status-agrees: {s.rid} client got {s.status}, the record says {rec.status}")
-    if r.stream and s.events and r.client != "slow_reader":  # no gap between tokens the idle budget allows
-        times = [t for t, _ in s.events]
-        gap = max((b - a for a, b in itertools.pairwise(times)), default=0.0)
-        if gap > rec.deadlines.idle_s + TOL:
-            out.append(f"idle-enforced: {s.rid} client waited {gap:.3f}s between events, its idle budget is "
-                       f"{rec.deadlines.idle_s:g}s ({rec.outcome}: {rec.reason})")
-    if r.stream and s.tokens and rec.first_token_at is not None and r.client != "slow_reader":
-        seen_ttft = s.tokens[0] - s.sent_at
-        if abs(seen_ttft - (rec.first_token_at - rec.created)) > 0.1:
-            out.append(f"ttft-agrees: {s.rid} client saw TTFT {seen_ttft:.3f}s, "
-                       f"recorded {rec.first_token_at - rec.created:.3f}s")
+            out.append(f"terminal-answer: {rid} status {s.status} without an OpenAI error body: {s.body[:80]!r}")
+            err = None
+    if s.status == 200 and not errors:
+        out += answer_agrees(r, s, rid, sent)
+    rec = g.gw.traces.get(rid)  # cross-checked only: what the gateway recorded must be what the client saw
+    if rec is None or rec.live:
+        out.append(f"status-agrees: {rid} has no terminal record")
+    elif (rec.outcome is not None and rec.outcome.value == "completed") != (s.status == 200 and not errors):
+        out.append(f"status-agrees: {rid} client got {s.status}{' and an error event' if errors else ''}, the record "
+                   f"says {rec.outcome} ({rec.status})")
+    if r.client == "slow_reader":  # its own reading sets the times it sees
+        return out
+    due = dues(r, b, s, end)
+    limit = due["total"] if not r.stream else min(due.values())
+    if end > limit + TOL:
+        out.append(f"within-deadline: {rid} answered {end - limit:.3f}s after its budgets allowed ({err})")
+    if drained_at is not None and s.sent_at < drained_at and end > drained_at + drain_s + TOL:
+        out.append(f"drain-answers: {rid} answered {end - drained_at - drain_s:.3f}s after the drain's end ({err})")
+    if r.stream and s.tokens and s.tokens[0] - s.sent_at > min(b.ttft, b.total) + TOL:
+        out.append(f"ttft-enforced: {rid} first token {s.tokens[0] - s.sent_at:.3f}s in, its TTFT budget {b.ttft:g}s")
+    gap = max((y - x for (x, _), (y, _) in itertools.pairwise(s.events)), default=0.0) if streamed else 0.0
+    if gap > b.idle + TOL:
+        out.append(f"idle-enforced: {rid} waited {gap:.3f}s between events, its idle budget is {b.idle:g}s")
+    if err is not None and err.get("code") == "deadline_exceeded":
+        out += budget_named(r, rid, err, due, end)
+    if rid in first and err is not None:
+        want = {"deadline": "deadline_exceeded", "drain": "gateway_draining", "abort": "request_aborted"}[first[rid]]
+        if err.get("code") != want:
+            out.append(f"first-cause: {rid} met its {first[rid]} first, but was answered {err.get('code')}")
+    return out
+
+
+def budget_named(r: Req, rid: str, err: dict[str, Any], due: dict[str, float], end: float) -> list[str]:
+    """A deadline answer names a budget that was due by then (the first of those due, streams: the client saw
+    its tokens), and does not come before it."""
+    named = str(err.get("message", "")).split(" ", 1)[0]
+    if named not in due:
+        return [f"budget-named: {rid} says {named}, which does not apply (due: {sorted(due)})"]
+    if end < due[named] - 0.01:
+        return [f"budget-named: {rid} said {named} {due[named] - end:.3f}s before its {named} budget was due"]
+    if r.stream and due[named] > min(due.values()) + TOL:
+        return [f"budget-named: {rid} says {named}, but {min(due, key=due.__getitem__)} was due first"]
+    return []
+
+
+def answer_agrees(r: Req, s: Seen, rid: str, sent: dict[str, dict[str, Any]] | None) -> list[str]:
+    """A 200's body has the route's shape, and its text and token count are what the decode said it sent for
+    the request's last attempt (its rid: ``<id>.<n>``)."""
+    text = text_of(r.route, s, r.stream)
+    if text is None:
+        return [f"answer-valid: {rid} 200 whose body is not a {r.route} answer: {(s.body or s.events[-2:])!r:.120}"]
+    if sent is None:
+        return []  # a decode died meanwhile, and what it sent with it
+    tries = sorted((k for k in sent if k.startswith(rid + ".")), key=lambda k: int(k.rsplit(".", 1)[1]))
+    if not tries:
+        return [f"tokens-agree: {rid} completed, but no decode says it answered it"]
+    mine = sent[tries[-1]]
+    n = len(s.tokens) if r.stream else (s.json.get("usage") or s.json.get("meta_info") or {}).get("completion_tokens")
+    out = []
+    if text != mine["text"]:
+        out.append(f"tokens-agree: {rid} client got {text!r:.60}, the decode sent {mine['text']!r:.60}")
+    if n != mine["tokens"]:
+        out.append(f"tokens-agree: {rid} client saw {n} tokens, the decode sent {mine['tokens']}")
     return out
 
 

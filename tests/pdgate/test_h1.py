@@ -350,8 +350,8 @@ async def test_client_pipes_a_chunked_stream() -> None:
 
 async def test_a_piped_body_wakes_its_reader_once_not_per_piece(monkeypatch: pytest.MonkeyPatch) -> None:
     """pipe() hands every piece over from the protocol itself; the task waiting in pipe() (and read()) is woken
-    by the end of the message alone, not once per piece (a task switch per token: ../shared/reference/
-    streaming-profile.md). 100 pieces, each in a read of its own, must not mean 100 wake-ups."""
+    by the end of the message alone, not once per piece (a task switch per token: the streaming profile in
+    BENCHMARKS.md). 100 pieces, each in a read of its own, must not mean 100 wake-ups."""
     from h1lite import client as h1client
 
     waits = [0]

@@ -1,8 +1,9 @@
 """The oracle in the default run (bounded: ``ORACLE_EXAMPLES`` scenarios, 25 by default) and its soak
 (``pytest -m slow``: at least 10,000 requests, fds and RSS back to their baseline). See ``oracle.py``.
 
-``PDGATE_MUTATION`` switches one mechanism off for the mutation check (``rearm``, ``framer``, ``drain``,
-``first_wins``): the oracle must then fail, naming the invariant and the seed.
+``PDGATE_MUTATION`` switches one mechanism off for the mutation check (``tests/pdgate/mutations.py``; all of
+them: ``scripts/oracle_mutations.sh``): the oracle must then fail, naming the invariant and the seed (the first
+failing scenario is reported as drawn, not shrunk).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import os
 from collections.abc import Iterator
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 
 from tests.pdgate import mutations
-from tests.pdgate.oracle import Cluster, Scenario, run, scenarios
+from tests.pdgate.oracle import SHAPES, Cluster, Scenario, run, scenarios
 from tests.procs import Procs
 
 EXAMPLES = int(os.environ.get("ORACLE_EXAMPLES", "25"))
@@ -34,15 +35,19 @@ def cluster() -> Iterator[Cluster]:
 
 @pytest.mark.timeout(600)
 def test_the_promise_holds_in_generated_scenarios(cluster: Cluster) -> None:
-    undo = mutations.apply(os.environ.get("PDGATE_MUTATION", ""))
+    mutation = os.environ.get("PDGATE_MUTATION", "")
+    undo = mutations.apply(mutation)
     try:
         @settings(max_examples=EXAMPLES, deadline=None, database=None, print_blob=True,
+                  phases=[Phase.explicit, Phase.generate] if mutation else list(Phase),
                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
         @given(sc=scenarios())
         def holds(sc: Scenario) -> None:
             problems = asyncio.run(run(cluster, sc))
             assert not problems, "the promise broke:\n  " + "\n  ".join(problems) + f"\nscenario: {sc}"
 
+        for shape in SHAPES:  # the shapes each mechanism needs, every run, before the drawn ones
+            holds = example(sc=shape)(holds)
         holds()
     finally:
         undo()
