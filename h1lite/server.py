@@ -46,6 +46,11 @@ log = logging.getLogger("h1lite.server")
 MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 100  # as aiohttp (max_headers) and h11
 LINGER_S = 1.0  # after refusing a request whose bytes still arrive: read and drop them this long, then close
+# Pipelining: at most this many requests wait parsed behind the one being answered; what a read brought beyond is
+# kept unparsed until they are answered, and a read is parsed about this many bytes at a time, cut after a head's
+# end (a read of 256 KiB of tiny requests is thousands of them: parsed at once, they would hold the loop for all)
+PIPELINED = 32
+PARSE_PIECE = 4096
 REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
 REASONS[499] = b"Client Closed Request"
 
@@ -56,7 +61,7 @@ def error_response(exc: HTTPError) -> Response:
 
 class Request:
     __slots__ = ("_query", "body", "failed", "headers", "keep_alive", "match", "method", "on_gone", "path", "proto",
-                 "query_string", "state", "stream", "too_large", "version")
+                 "query_string", "started", "state", "stream", "too_large", "version")
 
     def __init__(self, proto: HttpProtocol, method: str, path: str, query_string: str, headers: dict[str, str],
                  version: str) -> None:
@@ -75,12 +80,22 @@ class Request:
         # its work through its own cancel scope sets it)
         self.on_gone: Callable[[], object] | None = None
         self.state: Any = None  # what the application's middleware learned about the request (who sent it)
+        self.started = 0.0  # when its first byte was parsed (time.monotonic)
 
     @property
     def query(self) -> dict[str, str]:
         if self._query is None:
             self._query = dict(parse_qsl(self.query_string, keep_blank_values=True))
         return self._query
+
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The task that answers it (its connection's handler)."""
+        return self.proto.task
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self.proto.loop
 
     def open_stream(self, status: int, headers: dict[str, str]) -> Stream:
         """Send the status line and headers now; the body follows in ``write()`` or ``send()`` calls."""
@@ -266,8 +281,10 @@ class Server:
     """Owns the listening socket, the connections and their reaper."""
 
     def __init__(self, dispatch: Callable[[Request], Awaitable[Response | Stream]], max_body: int,
-                 keepalive_s: float = 75.0, head_timeout_s: float = 10.0, body_timeout_s: float = 60.0) -> None:
+                 keepalive_s: float = 75.0, head_timeout_s: float = 10.0, body_timeout_s: float = 60.0,
+                 on_error: Callable[[Request, HTTPError], object] | None = None) -> None:
         self.dispatch = dispatch
+        self.on_error = on_error  # told of every request a handler refused (an access log's line)
         self.max_body = max_body
         # uvicorn's timeout_keep_alive is 5 s; nginx's client_header_timeout and client_body_timeout 60 s
         self.keepalive_s, self.head_s, self.body_s = keepalive_s, head_timeout_s, body_timeout_s
@@ -382,6 +399,7 @@ class HttpProtocol(asyncio.Protocol):
         self.body_size = 0
         self.req: Request | None = None
         self.continue_due = False  # the request being parsed expects 100 Continue, not sent yet
+        self.unparsed = b""  # bytes read but not parsed yet: PIPELINED requests already wait
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -393,6 +411,32 @@ class HttpProtocol(asyncio.Protocol):
         self.last_active = time.monotonic()
         if self.close_after:
             return
+        if self.unparsed:  # reading is paused; what still came waits behind what is already held
+            self.unparsed += data
+            return
+        n = len(data)
+        if n <= PARSE_PIECE:
+            self.feed(data)
+            return
+        view = memoryview(data)
+        at = 0
+        while at < n and not self.close_after:
+            if self.queue is not None and len(self.queue) >= PIPELINED:
+                self.unparsed = bytes(view[at:])
+                return
+            # cut just after a head's end: pipelined requests in pieces; a head or body with no such end (one long
+            # header value, a JSON body) goes whole, as it was read
+            end = data.find(b"\r\n\r\n", at + PARSE_PIECE)
+            end = n if end < 0 else end + 4
+            self.feed(view[at:end])
+            at = end
+
+    def parse_held(self) -> None:
+        """Parse what was held back, now that the pipelined requests before it were answered."""
+        data, self.unparsed = self.unparsed, b""
+        self.data_received(data)
+
+    def feed(self, data: bytes | memoryview) -> None:
         self.head_began = False
         try:
             self.parser.feed_data(data)
@@ -472,6 +516,7 @@ class HttpProtocol(asyncio.Protocol):
         req = self.req = Request(self, p.get_method().decode(), path, (u.query or b"").decode("latin-1"), self.hdrs,
                                  p.get_http_version())
         req.keep_alive = p.should_keep_alive()
+        req.started = self.parsing_since or 0.0
         expect = self.hdrs.get("expect")
         cl = self.hdrs.get("content-length")
         if cl is not None and cl.isdigit() and int(cl) > self.server.max_body:
@@ -593,6 +638,8 @@ class HttpProtocol(asyncio.Protocol):
                     raise req.failed
                 resp = await self.server.dispatch(req)
             except HTTPError as exc:  # every error leaves in OpenAI's shape
+                if self.server.on_error is not None:
+                    self.server.on_error(req, exc)
                 resp = error_response(exc)
             except (asyncio.CancelledError, ClientGone):
                 self.task = self.current = None
@@ -638,10 +685,16 @@ class HttpProtocol(asyncio.Protocol):
                 return
             if not self.queue:
                 self.task = None
+                if self.unparsed:  # requests read but held back: parsed now (they start a handler of their own)
+                    self.parse_held()
+                    if self.unparsed or self.task is not None:
+                        return
                 self.send_continue()  # a request that was waiting behind this answer may now send its body
                 if self.reading_paused and self.transport is not None:
                     self.reading_paused = False
                     self.transport.resume_reading()
                 return
             req = self.queue.popleft()
+            if self.unparsed and len(self.queue) < PIPELINED // 2:
+                self.parse_held()
             await pass_turn()  # pipelined answers do not hold the loop: others get a turn between them

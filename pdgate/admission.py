@@ -143,14 +143,14 @@ class Gate:
             if pair is None:
                 raise NoHealthyPair(NO_PAIR)
             return pair
-        if not self.routing.ready(now):  # nothing to wait for: no healthy pair at all
-            raise NoHealthyPair(NO_PAIR)
         rec = ctx.rec
-        rank = RANKS["retry"] if retry else RANKS[rec.priority]
         if not self.queue.n or retry:
             pair = self.pick(avoid, ctx.view)
             if pair is not None:
                 return pair
+        if not self.routing.ready(now):  # nothing to wait for: no healthy pair at all
+            raise NoHealthyPair(NO_PAIR)
+        rank = RANKS["retry"] if retry else RANKS[rec.priority]
         tenant = ctx.tenant
         name, weight = (tenant.name, tenant.key.weight) if tenant is not None else ("", 1.0)
         if not retry:

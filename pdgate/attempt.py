@@ -39,10 +39,10 @@ class Bind:
 
     __slots__ = ("att", "clock", "decode_resp", "prefill", "prefill_body", "prefill_exc", "scope", "span")
 
-    def __init__(self, att: Attempt, span: Any, clock: Callable[[], float]) -> None:
+    def __init__(self, att: Attempt, span: Any, clock: Callable[[], float], task: asyncio.Task[Any] | None = None) -> None:
         self.att = att
         self.clock = clock
-        self.scope = Scope()
+        self.scope = Scope(task)
         self.span = span  # its OpenTelemetry span (None without otel)
         # the prefill leg's task while it runs; once done, its outcome alone (a stream lasts minutes: the task
         # object and its coroutine are let go)
@@ -107,7 +107,7 @@ class Attempts:
             att = Attempt(n=n, rid=attempt_rid(rec.id, n), prefill=pw.id, decode=dw.id, room=random.getrandbits(63))
             rec.attempts.append(att)
             obs.move(rec, Phase.DISPATCHED, now)
-            bind = Bind(att, obs.attempt_started(ctx, att, now), clock)
+            bind = Bind(att, obs.attempt_started(ctx, att, now), clock, ctx.scope.task)
             pw.bind(bind, now)
             dw.bind(bind, now)
             view = ctx.view
@@ -148,7 +148,7 @@ class Attempts:
         p_body, d_body = eng.legs(ctx.body, att, pw.spec)
         att.event(self.clock(), "sent")
         headers = self.leg_headers(ctx, att, bind)
-        p_task = bind.prefill = asyncio.get_running_loop().create_task(
+        p_task = bind.prefill = ctx.loop.create_task(
             self.prefill_leg(ctx, att, pw, p_body, bind, headers, keep))
         p_task.add_done_callback(bind.prefill_done)
         del p_task, p_body  # bind holds it while it runs
@@ -180,17 +180,18 @@ class Attempts:
                 task = None
             if not ok:
                 self.aborts.legs(att, pw, dw, bind.decode_resp, task)
-            elif task is not None:
-                self.tasks.spawn(self.prefill_tail(att, pw, task))
+            elif task is not None:  # decode finished, the prefill has not answered: a grace period, then its abort
+                timer = ctx.loop.call_later(self.cfg.prefill_grace_s, self.prefill_orphaned, att, pw, task)
+                task.add_done_callback(lambda _: timer.cancel())
+                self.tasks.adopt(task)
             elif bind.prefill_exc is not None and not isinstance(bind.prefill_exc, asyncio.CancelledError):
                 att.event(self.clock(), "prefill_error_after_first_token", str(bind.prefill_exc))
 
-    async def prefill_tail(self, att: Attempt, pw: Worker, p_task: asyncio.Task[bytes]) -> None:
-        """Decode finished but the prefill has not answered: give it a grace period, then abort it."""
-        grace = self.cfg.prefill_grace_s
-        done, _ = await asyncio.wait({p_task}, timeout=grace)
-        if not done:
-            att.event(self.clock(), "prefill_orphaned", f"no prefill answer {grace:g}s after decode finished")
+    def prefill_orphaned(self, att: Attempt, pw: Worker, p_task: asyncio.Task[bytes]) -> None:
+        """Decode finished ``prefill_grace_s`` ago and the prefill has not answered: it is aborted."""
+        if not p_task.done():
+            att.event(self.clock(), "prefill_orphaned", f"no prefill answer {self.cfg.prefill_grace_s:g}s after "
+                      "decode finished")
             p_task.cancel()
             self.aborts.leg(att, pw, False)
 

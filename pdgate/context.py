@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 class Ctx:
-    __slots__ = ("body", "rec", "request", "resp", "route", "scope", "span", "stream_error", "tenant",
+    __slots__ = ("body", "done", "loop", "rec", "request", "resp", "route", "scope", "span", "stream_error", "tenant",
                  "view", "watchdog")
 
     def __init__(self, request: Request, rec: Record, route: str, body: dict[str, Any], view: RequestView,
@@ -31,8 +31,10 @@ class Ctx:
         self.span: Any = None  # its OpenTelemetry span (None without otel)
         self.resp: Stream | None = None  # the client's stream, once its head went out
         self.stream_error: str | None = None  # the engine's own error event went out on it
-        self.scope = Scope()
-        self.watchdog = Watchdog(self.scope, rec.due, clock)
+        self.done = False  # its stream's [DONE] went out: the client has its whole answer, nothing follows it
+        self.loop = request.loop
+        self.scope = Scope(request.task)
+        self.watchdog = Watchdog(self.scope, rec.due, clock, self.loop)
 
     def cancel(self, reason: Reason) -> bool:
         return self.scope.cancel(reason)

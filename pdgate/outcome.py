@@ -57,6 +57,8 @@ class Outcomes:
         stream). ``body`` is a non-streaming request's answer."""
         rec = ctx.rec
         err: GatewayError | None = None
+        if ctx.done:  # its stream's [DONE] went out before anything else ended it: that was its answer
+            reason = exc = None
         if reason is not None:
             rec.cause = reason.cause.value
             outcome, err = from_reason(rec, reason)

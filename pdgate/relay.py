@@ -152,6 +152,8 @@ class Relay:
             out = ctx.resp = ctx.request.open_stream(200, {**SSE_HEADERS, "x-request-id": rec.id})
         if fr.error:
             ctx.stream_error = "decode reported an error mid-stream"
+        if fr.done:
+            ctx.done = True
         if fr.tokens:
             rec = ctx.rec
             rec.chunks += fr.tokens

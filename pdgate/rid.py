@@ -10,6 +10,7 @@ process that owns the request: reconciliation, the admin plane and the CLI read 
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 from dataclasses import dataclass
@@ -54,12 +55,19 @@ def attempt_rid(request_id: str, n: int) -> str:
 
 
 class Ids:
-    """The ids one gateway instance makes: in order, each unguessable."""
+    """The ids one gateway instance makes: in order, each unguessable (the random part drawn from the OS's
+    CSPRNG, a few kilobytes at a time: no system call per request)."""
 
     def __init__(self, instance: str) -> None:
-        self.instance = instance
+        self.prefix = f"pdg-{instance}-"
         self._seq = 0
+        self._random = b""
+        self._at = 0
 
     def new(self) -> str:
         self._seq += 1
-        return str(Rid.new(self.instance, self._seq))
+        at = self._at
+        if at >= len(self._random):
+            self._random, at = os.urandom(4096), 0
+        self._at = at + 8
+        return f"{self.prefix}{self._seq & 0xFFFFFFFF:08x}{self._random[at:at + 8].hex()}"

@@ -67,10 +67,11 @@ class Scope:
     first) and cancels nothing: the request's outcome still reads it (a client that left while
     its answer was being written), an attempt's is never read again."""
 
-    __slots__ = ("_issued", "_task", "reason")
+    __slots__ = ("_issued", "_task", "reason", "task")
 
-    def __init__(self) -> None:
+    def __init__(self, task: asyncio.Task[Any] | None = None) -> None:
         self.reason: Reason | None = None
+        self.task = task  # the task that will run the block, when known (else asked on entering)
         self._task: asyncio.Task[Any] | None = None
         self._issued = False
 
@@ -93,7 +94,8 @@ class Scope:
             raise Cancelled(self.reason)
 
     def __enter__(self) -> Scope:
-        self._task = asyncio.current_task()
+        # asking the loop for the current task costs a system call (getpid, the fork check of get_running_loop)
+        self._task = self.task or asyncio.current_task()
         self.check()
         return self
 
@@ -115,18 +117,17 @@ class Watchdog:
     with each token, so a timer that fires early re-arms itself at the new due time. The one move earlier, from
     TTFT to idle at the first token, re-arms it (``rearm``, when ``record.first_token`` says so)."""
 
-    __slots__ = ("at", "clock", "due", "handle", "loop", "offset", "scope")
+    __slots__ = ("at", "clock", "due", "handle", "loop", "scope")
 
-    def __init__(self, scope: Scope, due: Callable[[], tuple[str, float]], clock: Callable[[], float]) -> None:
-        self.scope, self.due, self.clock = scope, due, clock
-        self.loop = asyncio.get_running_loop()
+    def __init__(self, scope: Scope, due: Callable[[], tuple[str, float]], clock: Callable[[], float],
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.scope, self.due, self.clock, self.loop = scope, due, clock, loop
         self.handle: asyncio.TimerHandle | None = None
-        self.offset = self.loop.time() - clock()  # record clock -> loop clock
-        self.at = 0.0  # when the timer fires (record clock)
+        self.at = 0.0  # when the timer fires (the record's clock)
 
     def arm(self) -> None:
         self.at = self.due()[1]
-        self.handle = self.loop.call_at(self.at + self.offset, self._fire)
+        self.handle = self.loop.call_later(self.at - self.clock(), self._fire)
 
     def rearm(self) -> None:
         """The due time may have moved earlier (the first token: TTFT -> idle): set the timer there."""
@@ -136,9 +137,10 @@ class Watchdog:
 
     def _fire(self) -> None:
         kind, when = self.due()
-        if when > self.clock():
+        now = self.clock()
+        if when > now:
             self.at = when
-            self.handle = self.loop.call_at(when + self.offset, self._fire)
+            self.handle = self.loop.call_later(when - now, self._fire)
             return
         self.handle = None
         self.scope.cancel(Reason(Cause.DEADLINE, budget=kind))
@@ -165,9 +167,13 @@ class Tasks:
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)
+        self.adopt(task)
+        return task
+
+    def adopt(self, task: asyncio.Task[Any]) -> None:
+        """A task made elsewhere that outlives its maker (a prefill leg still answering after its request)."""
         self.running.add(task)
         task.add_done_callback(self._done)
-        return task
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self.running.discard(task)

@@ -8,9 +8,10 @@
   behind the admin key when one is configured (401 without, 403 with any other key); it may be open only on
   loopback or a Unix socket (``config`` refuses the rest). Changes are audited (``admin.py``).
 
-Middleware wraps each plane's dispatch (``chain``): the access log's line for a refusal, authentication (client
-key -> tenant) and the tenant's limits. Admission control is the request path's own first stage
-(``pdgate.admission``), not middleware: it needs the parsed body and opens the request's record.
+Middleware wraps each plane's dispatch (``chain``): authentication (client key -> tenant) and the tenant's
+limits. Admission control is the request path's own first stage (``pdgate.admission``), not middleware: it
+needs the parsed body and opens the request's record. A refused generation request gets its access-log line
+from the HTTP server's error hook (``refused``).
 """
 
 from __future__ import annotations
@@ -95,28 +96,19 @@ def chain(dispatch: Dispatch, *middleware: Middleware) -> Dispatch:
     return dispatch
 
 
-def refusals_logged(app: App) -> Middleware:
+def refused(app: App) -> Callable[[Request, HTTPError], None]:
     """The access log's line for a generation request refused before admission (no record to log it at its
-    end): bad input, a missing key, a rate limit, a full queue (``pdgate.access_log``)."""
-    cfg = app.cfg
+    end): bad input, a missing key, a rate limit, a full queue (``pdgate.access_log``); told by the HTTP server
+    (``Server.on_error``), so a request that is not refused pays nothing for it."""
+    fmt = app.cfg.log_format
 
-    def wrap(nxt: Dispatch) -> Dispatch:
-        async def run(request: Request) -> Response | Stream:
-            if request.path not in GENERATION:
-                return await nxt(request)
-            t0 = time.monotonic()
-            try:
-                return await nxt(request)
-            except HTTPError as exc:
-                if access_log.enabled():
-                    tenant = request.state.name if isinstance(request.state, Tenant) else None
-                    access_log.emit(access_log.refused_fields(request.path, exc.status, exc.code, tenant,
-                                                              time.monotonic() - t0), cfg.log_format)
-                raise
+    def log_refusal(request: Request, exc: HTTPError) -> None:
+        if request.path in GENERATION and access_log.enabled():
+            tenant = request.state.name if isinstance(request.state, Tenant) else None
+            access_log.emit(access_log.refused_fields(request.path, exc.status, exc.code, tenant,
+                                                      time.monotonic() - request.started), fmt)
 
-        return run
-
-    return wrap
+    return log_refusal
 
 
 def client_keys(app: App) -> Middleware:
@@ -257,16 +249,15 @@ class App:
         else:
             front.add("GET", "/metrics", functools.partial(operator_only, ctl))
             self.operator_paths.add("/metrics")
-        chain_of: list[Middleware] = [refusals_logged(self)] if cfg.access_log else []
-        if self.gw.tenants is not None:
-            chain_of.append(client_keys(self))
-        dispatch = chain(front.dispatch, *chain_of)
-        self.server = Server(dispatch, cfg.max_body_bytes, cfg.keepalive_s, cfg.head_timeout_s, cfg.body_timeout_s)
+        dispatch = chain(front.dispatch, client_keys(self)) if self.gw.tenants is not None else front.dispatch
+        on_error = refused(self) if cfg.access_log else None
+        self.server = Server(dispatch, cfg.max_body_bytes, cfg.keepalive_s, cfg.head_timeout_s, cfg.body_timeout_s,
+                             on_error)
         admin_dispatch = chain(back.dispatch, admin_keys(self))
         self.admin = Server(admin_dispatch, 1 << 20, cfg.keepalive_s, cfg.head_timeout_s, cfg.body_timeout_s)
         # a process of a group also answers its siblings, on loopback, with each plane's own keys and middleware
         self.private = {"front": Server(dispatch, cfg.max_body_bytes, cfg.keepalive_s, cfg.head_timeout_s,
-                                        cfg.body_timeout_s),
+                                        cfg.body_timeout_s, on_error),
                         "admin": Server(admin_dispatch, 1 << 20, cfg.keepalive_s, cfg.head_timeout_s,
                                         cfg.body_timeout_s)} if group is not None else {}
         if self.gw.tenants is not None:

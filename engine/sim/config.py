@@ -54,6 +54,7 @@ FAULTS: dict[str, Any] = {
     "segment": _rate,
     "segment_seed": int,
     "split_stall": _seconds,  # every write: its first half, this long a pause, then the rest (stuck mid-event)
+    "done_stall": _seconds,  # decode: a stream's end (the last chunk) this long after its [DONE]
 }
 
 

@@ -388,6 +388,8 @@ async def _decode(request: Request, engine: Engine, ps: Parsed, req: SimRequest,
         elif ps.include_usage:
             tail = usage_chunk(ps, req, len(req.tokens), model)
         await out.write(s, tail + DONE, last=True)
+        if engine.cfg.faults.done_stall:  # fault done_stall: [DONE] is out, the response's end comes later
+            await asyncio.sleep(engine.cfg.faults.done_stall)
         return s
     except (asyncio.CancelledError, ConnectionError):
         if not task.done():

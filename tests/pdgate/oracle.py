@@ -49,9 +49,10 @@ SIM_ENV = {"SGLANG_REQUEST_STATE_WAIT_TIMEOUT": "30"}
 DECODE_ARGS = ("--speed", "8")  # ~30 ms a token: streams last long enough for faults to land in them
 ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
 SIM_FAULTS = ("slow_prefill", "decode_freeze", "decode_stall", "http_500_rate", "slow_first_token", "decode_crash", "abort_race",
-              "ack_loss", "bootstrap_loss", "slow_accept")
+              "ack_loss", "bootstrap_loss", "slow_accept", "done_stall")
 OFF = {"slow_prefill": 0, "decode_freeze": False, "decode_stall": False, "http_500_rate": 0, "slow_first_token": 0, "decode_crash": False,
-       "abort_race": False, "ack_loss": False, "bootstrap_loss": False, "slow_accept": 0, "split_stall": 0}
+       "abort_race": False, "ack_loss": False, "bootstrap_loss": False, "slow_accept": 0, "split_stall": 0,
+       "done_stall": 0}
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,8 @@ def requests(draw: st.DrawFn) -> Req:
 
 
 ALL_PREFILLS, ALL_DECODES = 5, 4
-DECODE_SIDE = ("decode_freeze", "decode_stall", "slow_first_token", "decode_crash", "ack_loss", "bootstrap_loss")
+DECODE_SIDE = ("decode_freeze", "decode_stall", "slow_first_token", "decode_crash", "ack_loss", "bootstrap_loss",
+               "done_stall")
 PREFILL_SIDE = ("slow_prefill",)
 
 
@@ -209,6 +211,9 @@ SHAPES = (
     # must not land inside the engine's half event (events are judged and relayed whole)
     Scenario(2, 0.0, (CHAT_STREAM, Req("/generate", True, 20, None, None, 0.3, "reads", 1, 0.0)),
              (Fault(0.15, ALL_DECODES, "split_stall", 1.0, 0.0, persist=True),), None, 0.0, None),
+    # the stream's [DONE] went out, its end comes late and the total budget runs out meanwhile: nothing follows it
+    Scenario(8, 0.0, (Req("/v1/completions", True, 6, 0.8, None, None, "reads", 1, 0.0),),
+             (Fault(0.0, ALL_DECODES, "done_stall", 1.5, 2.0),), None, 0.0, None),
     # a drain while every decode stalls: answered by drain_s
     Scenario(3, 0.0, (dataclasses.replace(CHAT_STREAM, idle=None), Req("/v1/completions", False, 20, None, None, None,
                                                                        "reads", 1, 0.0)),
@@ -429,6 +434,18 @@ def dues(r: Req, b: Budgets, s: Seen, before: float) -> dict[str, float]:
     return out
 
 
+def allowed_end(r: Req, b: Budgets, due: dict[str, float]) -> float:
+    """The latest its answer may end by its budgets (a non-streaming client cannot see the first token that
+    ends the TTFT budget: its total one bounds it)."""
+    return due["total"] if not r.stream else min(due.values())
+
+
+def lateness(r: Req, s: Seen) -> float:
+    """How long after its budgets allowed the client's answer ended (negative: before)."""
+    b, end = budgets(r), s.ended_at or time.monotonic()
+    return end - allowed_end(r, b, dues(r, b, s, end))
+
+
 def text_of(route: str, s: Seen, stream: bool) -> str | None:
     """The text the client got (None: not an answer of that route's shape)."""
     try:
@@ -484,7 +501,7 @@ def check_client(g: Running, r: Req, s: Seen, drained_at: float | None, drain_s:
     if r.client == "slow_reader":  # its own reading sets the times it sees
         return out
     due = dues(r, b, s, end)
-    limit = due["total"] if not r.stream else min(due.values())
+    limit = allowed_end(r, b, due)
     if end > limit + TOL:
         out.append(f"within-deadline: {rid} answered {end - limit:.3f}s after its budgets allowed ({err})")
     if drained_at is not None and s.sent_at < drained_at and end > drained_at + drain_s + TOL:

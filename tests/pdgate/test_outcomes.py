@@ -282,3 +282,20 @@ async def test_decode_restart_mid_request(procs: Procs, http: aiohttp.ClientSess
         await asyncio.sleep(0.1)
     assert dw.identity != old_identity and dw.restarts >= 1
     await assert_clean(http, g.gw, [p, d2])
+
+
+async def test_a_deadline_after_the_streams_done_adds_nothing(procs: Procs, http: aiohttp.ClientSession,
+                                                             gateways: list[Any]) -> None:
+    """The decode's [DONE] went out, its response's end comes late (fault done_stall) and the total budget runs
+    out meanwhile: the client has its whole answer, one [DONE], and the request completed. (A deadline judged
+    after the [DONE] used to append an error event and a second [DONE].)"""
+    from tests.pdgate.sse import call
+
+    p, d = procs.pair()
+    await set_faults(http, d, done_stall=1.5)
+    g = await gateway(gateways, [p], [d])
+    seen = await call(http, g.url + "/v1/chat/completions", {**CHAT, "stream": True}, {"x-pdgate-timeout": "0.8"})
+    assert seen.status == 200 and seen.done_count == 1 and not seen.error_events, seen.events[-3:]
+    assert len(seen.tokens) == 8
+    rec = g.gw.traces.get(seen.rid or "")
+    assert rec is not None and rec.outcome is not None and rec.outcome.value == "completed", rec
