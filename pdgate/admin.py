@@ -28,6 +28,7 @@ from pdgate.config import (
     validate_worker,
 )
 from pdgate.control import Control
+from pdgate.engines import Probe
 from pdgate.errors import (
     BadRequest,
     Conflict,
@@ -161,15 +162,15 @@ def registration(ctl: Control, body: dict[str, Any]) -> WorkerSpec:
     return spec
 
 
-async def probe(gw: Gateway, spec: WorkerSpec) -> bool:
-    """Whether ``spec`` answers as an engine of its kind and role (``Engine.identify``), within the health
-    check's bound."""
+async def probe(gw: Gateway, spec: WorkerSpec) -> Probe | None:
+    """What ``spec`` says of itself if it answers as an engine of its kind and role (``Engine.identify``: asked
+    without the engines' key), within the health check's bound."""
     timeout = gw.cfg.health.timeout_s
     try:
         async with asyncio.timeout(timeout):
             return await gw.engines(spec.engine).identify(spec, timeout)
     except Exception:  # refused, reset, timed out, garbage: all one answer
-        return False
+        return None
 
 
 async def add_worker(ctl: Control, request: Request) -> Response:
@@ -180,10 +181,19 @@ async def add_worker(ctl: Control, request: Request) -> Response:
     started = time.monotonic()
     ctl.registering.add((spec.role, spec.url))
     try:
-        ok = await probe(gw, spec)
+        same = await ctl.same_address(spec, gw.cfg.health.timeout_s)
+        if same is not None:  # another spelling of a registered engine: one engine counted twice
+            raise Conflict(f"{spec.url} reaches the same address as worker {same.id} ({same.url}); nothing was "
+                           "registered")
+        found = await probe(gw, spec)
     finally:
         ctl.registering.discard((spec.role, spec.url))
-    if not ok:
+    twin = next((w for w in gw.pool.by_id.values() if found is not None and found.identity is not None
+                 and w.identity == found.identity), None)
+    if twin is not None:
+        raise Conflict(f"{spec.url} answers as the engine registered as worker {twin.id} ({twin.url}: the same "
+                       "identity); nothing was registered")
+    if found is None:
         if not any(w.url == spec.url for w in gw.pool.by_id.values()):
             gw.upstream.client.drop(spec.url)
         timeout = gw.cfg.health.timeout_s

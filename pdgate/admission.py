@@ -35,7 +35,7 @@ from pdgate.routing import Pair, Routing
 if TYPE_CHECKING:
     from pdgate.context import Ctx
     from pdgate.metrics import Metrics
-    from pdgate.workers import Worker
+    from pdgate.workers import Pool, Worker
 
 PRIORITY_HEADER = "x-pdgate-priority"
 NO_PAIR = "no healthy prefill+decode pair is available"
@@ -45,9 +45,8 @@ class Admission:
     """A request read into its record: the body parsed and checked, the model the key may use, the deadlines
     resolved once, the key's token estimate charged."""
 
-    def __init__(self, cfg: GatewayConfig, models: Callable[[], frozenset[str]], ids: Ids,
-                 clock: Callable[[], float]) -> None:
-        self.cfg, self.models, self.ids, self.clock = cfg, models, ids, clock
+    def __init__(self, cfg: GatewayConfig, pool: Pool, ids: Ids, clock: Callable[[], float]) -> None:
+        self.cfg, self.pool, self.ids, self.clock = cfg, pool, ids, clock
 
     def admit(self, request: Request, route: str, tenant: Tenant | None) -> tuple[Record, dict[str, Any]]:
         """The request's record (live from here on) and the body to send to the engines."""
@@ -59,7 +58,7 @@ class Admission:
         if not isinstance(body, dict):
             raise InvalidJSON("request body must be a JSON object")
         model, stream = validation.validate(route, body)
-        known = self.models()
+        known = self.pool.models()
         if tenant is not None and not tenant.allows(model, known):
             # as OpenAI answers: a model this key may not use looks like one that does not exist
             allowed = ", ".join(sorted(tenant.models & known)) or "none"
@@ -78,24 +77,26 @@ class Admission:
         if tenant is not None:
             rec.tenant = tenant.name
             if tenant.tokens is not None:
-                # what it may use, charged now (so a burst cannot all pass on one minute's allowance), settled at
-                # the end: about four bytes of JSON per prompt token, and the completion tokens it asks for
-                rec.estimate = len(raw) // 4 + asked_tokens(body)
-                tenant.charge(rec.estimate, now)
+                self.charge(tenant, rec, route, body, len(raw) // 4, now)
         return rec, body
 
-
-DEFAULT_COMPLETION = 128  # SGLang's default max_new_tokens
-
-
-def asked_tokens(body: dict[str, Any]) -> int:
-    """The completion tokens a request asks for at most (OpenAI's and SGLang's field names)."""
-    sp = body.get("sampling_params")
-    for v in (body.get("max_completion_tokens"), body.get("max_tokens"),
-              sp.get("max_new_tokens") if isinstance(sp, dict) else None):
-        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
-            return v
-    return DEFAULT_COMPLETION
+    def charge(self, tenant: Tenant, rec: Record, route: str, body: dict[str, Any], prompt: int, now: float) -> None:
+        """Charge what the request may use, in full, against what the key has left (a burst cannot pass on one
+        minute's allowance; settled at the end): about four bytes of JSON per prompt token, and the most tokens the
+        engines serving here will generate for it, read as they read the body (a field they do not read for
+        this route counts for nothing). A request they would let run to its context is capped at what is left."""
+        engines = self.pool.engines
+        asked = [e.output_tokens(route, body) for e in engines]
+        if not asked or None in asked:
+            out = int(tenant.tokens_left(now)) - prompt
+            if out < 1:
+                tenant.take_tokens(prompt + 1, now)  # refused: says how long until it could pass
+            for e in engines:
+                e.limit_output(route, body, out)
+        else:
+            out = max(n for n in asked if n is not None)
+        tenant.take_tokens(prompt + out, now)
+        rec.prompt_estimate, rec.estimate = prompt, prompt + out
 
 
 def priority(request: Request, tenant: Tenant | None) -> str:

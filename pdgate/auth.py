@@ -6,8 +6,9 @@
 - A tenant (``Tenant``, one per client key) has its limits: live requests at once, requests and tokens per
   minute as token buckets (``Bucket``: the minute's allowance refills continuously), deadline caps and a
   priority class. A limit reached is a ``RateLimited`` (429) that says when to come back (``Retry-After``).
-- Tokens are charged twice: an estimate of the prompt at admission (so a burst of concurrent requests cannot
-  all pass on one minute's allowance), then the difference to what the engines reported, at the end.
+- Tokens are charged twice: in full at admission, the prompt's estimate and the most the engines will generate
+  for it, against what the key has left (so a burst of concurrent requests cannot pass on one minute's
+  allowance: ``take_tokens``), then the difference to what the engines reported, at the end.
 """
 
 from __future__ import annotations
@@ -142,6 +143,27 @@ class Tenant:
         if self.requests is not None:
             self.requests.take(1.0, now)
         self.live += 1
+
+    def tokens_left(self, now: float) -> float:
+        assert self.tokens is not None
+        self.tokens.wait(0.0, now)  # refills it to now
+        return self.tokens.level
+
+    def take_tokens(self, n: int, now: float) -> None:
+        """``n`` tokens charged now, if the key has them left; else ``RateLimited`` (nothing charged), saying when
+        it could pass (never, for more than a minute's allowance)."""
+        b, k = self.tokens, self.key
+        assert b is not None
+        if n > b.cap:
+            raise RateLimited(f"this request may use {n} tokens (prompt and completion), more than the tokens_per_min "
+                              f"of {k.tokens_per_min} of key '{self.name}': ask for fewer (max_tokens)",
+                              limit="tokens", retry_after_s=60)
+        wait = b.wait(float(n), now)
+        if wait > 0:
+            raise RateLimited(f"key '{self.name}' has {max(0, int(b.level))} of its tokens_per_min of {k.tokens_per_min} "
+                              f"left and this request may use {n}; try again in {retry_after(wait)}s", limit="tokens",
+                              retry_after_s=retry_after(wait))
+        b.take(float(n), now)
 
     def charge(self, tokens: int, now: float) -> None:
         """Tokens used (or, negative, an estimate given back)."""

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from pdgate import multi
 from pdgate.config import GatewayConfig, WorkerSpec, worker_hosts_allowed
@@ -67,6 +69,27 @@ class Control:
         self.announce()
         await gw.health.check(w)
         return w
+
+    async def same_address(self, spec: WorkerSpec, timeout_s: float) -> Worker | None:
+        """A registered worker that ``spec``'s URL reaches too (its host resolved as the client will connect: both
+        spellings of one engine, ``localhost`` and ``127.0.0.1``), within ``timeout_s``."""
+        loop = asyncio.get_running_loop()
+
+        async def addresses(url: str) -> set[tuple[str, int]]:
+            u = urlsplit(url)
+            try:
+                found = await loop.getaddrinfo(u.hostname, u.port or 80, type=socket.SOCK_STREAM)
+            except OSError:
+                return set()
+            return {(str(a[4][0]), int(a[4][1])) for a in found}
+
+        workers = list(self.gw.pool.by_id.values())
+        try:
+            async with asyncio.timeout(timeout_s):
+                mine, *theirs = await asyncio.gather(addresses(spec.url), *(addresses(w.url) for w in workers))
+        except TimeoutError:  # a name that does not resolve in time: the probe says the rest
+            return None
+        return next((w for w, addrs in zip(workers, theirs, strict=True) if mine & addrs), None)
 
     def remove(self, wid: str) -> Worker:
         gw = self.gw

@@ -10,6 +10,7 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from pdgate import auth, otel, policies
@@ -34,9 +35,10 @@ log = logging.getLogger("pdgate")
 
 
 class Gateway:
-    def __init__(self, cfg: GatewayConfig, engines: dict[str, Factory] | None = None) -> None:
+    def __init__(self, cfg: GatewayConfig, engines: dict[str, Factory] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cfg = c = cfg
-        self.clock = time.monotonic
+        self.clock = clock  # every part's (a test gives its own to let a minute pass)
         self.instance = cfg.instance_id or secrets.token_hex(4)
         self.upstream = Upstream(c.connect_timeout_s, c.abort_timeout_s, c.upstream_idle_s, c.upstream_max_conns,
                                  c.upstream_max_idle, c.max_upstream_body_bytes, c.worker_api_key)
@@ -59,7 +61,7 @@ class Gateway:
         aborts = Aborts(cfg, self.obs, self.tasks, self.clock)
         attempts = Attempts(cfg, self.gate, self.routing, self.upstream, self.obs, aborts, self.tasks,
                             self.health.kick, self.clock)
-        self.pipeline = Pipeline(Admission(cfg, self.pool.models, Ids(self.instance), self.clock), attempts,
+        self.pipeline = Pipeline(Admission(cfg, self.pool, Ids(self.instance), self.clock), attempts,
                                  Outcomes(self.obs, self.clock), self.obs, cfg.routing.session_header, self.clock)
         self.live = self.pipeline.live
         self.metrics.queue_depth = lambda: self.gate.queue.n

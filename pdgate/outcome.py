@@ -86,6 +86,8 @@ class Outcomes:
         now = self.clock()
         self.obs.move(rec, outcome, now, reason)
         tenant = ctx.tenant
-        if tenant is not None:  # the estimate charged at admission, settled
-            tenant.charge((rec.prompt_tokens or rec.estimate) + (rec.completion_tokens or rec.chunks) - rec.estimate, now)
+        if tenant is not None and rec.estimate:  # the estimate charged at admission, settled
+            used = ((rec.prompt_tokens if rec.prompt_tokens is not None else rec.prompt_estimate)
+                    + (rec.completion_tokens if rec.completion_tokens is not None else rec.chunks))
+            tenant.charge(used - rec.estimate, now)
         self.obs.finished(ctx, now)

@@ -147,6 +147,7 @@ class Record:
     priority: str = "normal"  # the key's priority class
     dispatched_at: float | None = None  # its latest attempt's start (admission's first-token estimate)
     estimate: int = 0  # tokens charged to the key's tokens_per_min at admission (settled at the end)
+    prompt_estimate: int = 0  # of it, for the prompt (settled with what the engine reports it read)
     cached_tokens: int | None = None  # of the prompt, found in the prefill's cache (as the engine reports it)
 
     def __post_init__(self) -> None:

@@ -60,15 +60,17 @@ class Upstream:
             status, _ = await self.client.fetch(base, "POST", path, data, headers=self.auth, limit=SMALL_BODY)
             return status
 
-    async def get(self, url: str, timeout_s: float) -> tuple[int, bytes]:
-        """A small GET within ``timeout_s``; past it ``TimeoutError``, or ``LoopLate`` when this process's own loop
-        ran so far behind that the timeout was noticed late (the answer may have been waiting in the socket)."""
+    async def get(self, url: str, timeout_s: float, auth: bool = True) -> tuple[int, bytes]:
+        """A small GET within ``timeout_s`` (``auth``: with the engines' key); past it ``TimeoutError``, or
+        ``LoopLate`` when this process's own loop ran so far behind that the timeout was noticed late (the answer
+        may have been waiting in the socket)."""
         base, target = split_url(url)
         loop = asyncio.get_running_loop()
         due = loop.time() + timeout_s
         try:
             async with asyncio.timeout_at(due):
-                return await self.client.fetch(base, "GET", target, headers=self.auth, limit=SMALL_BODY)
+                return await self.client.fetch(base, "GET", target, headers=self.auth if auth else b"",
+                                               limit=SMALL_BODY)
         except TimeoutError:
             late = loop.time() - due
             if late > max(LATE_S, timeout_s / 4):
@@ -76,8 +78,8 @@ class Upstream:
                     from None
             raise
 
-    async def get_json(self, url: str, timeout_s: float) -> tuple[int, Any]:
-        status, raw = await self.get(url, timeout_s)
+    async def get_json(self, url: str, timeout_s: float, auth: bool = True) -> tuple[int, Any]:
+        status, raw = await self.get(url, timeout_s, auth)
         try:
             return status, orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError:

@@ -281,6 +281,7 @@ class Pool:
         self.decode: list[Worker] = []
         self._seq = {"prefill": 0, "decode": 0}  # the next id's number, by role
         self.mixed = False  # workers of more than one engine kind (a pair is always of one kind)
+        self.engines: tuple[Engine, ...] = ()  # the adapters of the kinds registered
 
     def add(self, spec: WorkerSpec, wid: str | None = None) -> Worker:
         """Register ``spec`` under the next id of its role, or under ``wid`` (a sibling process's id for it:
@@ -298,7 +299,7 @@ class Pool:
                    slots=Slots(configured=self._capacity))
         self.by_id[wid] = w
         getattr(self, spec.role).append(w)
-        self.mixed = len({x.spec.engine for x in self.by_id.values()}) > 1
+        self._kinds()
         return w
 
     @property
@@ -317,7 +318,7 @@ class Pool:
         w.transition(State.REMOVED, now, "removed by an operator")
         getattr(self, w.role).remove(w)
         self._refresh_models()
-        self.mixed = len({x.spec.engine for x in self.by_id.values()}) > 1
+        self._kinds()
         return w
 
     def set_info(self, w: Worker, info: Probe) -> None:
@@ -325,6 +326,10 @@ class Pool:
         old, w.info = w.info.models, info
         if info.models != old:
             self._refresh_models()
+
+    def _kinds(self) -> None:
+        self.engines = tuple({id(w.engine): w.engine for w in self.by_id.values()}.values())
+        self.mixed = len(self.engines) > 1
 
     def _refresh_models(self) -> None:
         self._models = self._configured | {m for w in self.by_id.values() for m in w.info.models}

@@ -309,7 +309,8 @@ def generate_handler(engine: Engine, route: str) -> Handler:
         except EngineError as exc:
             return error(exc.status, exc.message, exc.kind)
         model = str(body.get("model") or cfg.model)
-        engine.seen.append({"rid": req.rid, "traceparent": request.headers.get("traceparent")})
+        engine.seen.append({"rid": req.rid, "traceparent": request.headers.get("traceparent"),
+                            "max_tokens": ps.max_tokens})
         if cfg.role == "prefill":
             return await _prefill(request, engine, ps, req, model)
         return await _decode(request, engine, ps, req, model)

@@ -66,6 +66,13 @@ class Engine(Protocol):
 
     def usage(self, answer: bytes) -> Usage: ...
 
+    def output_tokens(self, route: str, body: dict[str, Any]) -> int | None:
+        """The most tokens the engine generates for ``body``, read as the engine reads it (its fields for that
+        route, its default when none is given; None: as many as its context allows)."""
+
+    def limit_output(self, route: str, body: dict[str, Any], n: int) -> None:
+        """Make the engine generate at most ``n`` tokens for ``body`` (in the field it reads)."""
+
     def defers_decode_abort(self, decode_fixes: list[str] | None) -> bool:
         """Whether a decode leg's abort waits for its transfer to end (its first answer, or the prefill's
         success), bounded by ``abort_defer_s``: tearing a decode down while it receives KV can crash or leak
@@ -78,8 +85,9 @@ class Engine(Protocol):
         """The worker at ``url`` checked: healthy or not, and what it says of itself (``role``: the queues it
         holds our requests in)."""
 
-    async def identify(self, spec: WorkerSpec, timeout_s: float) -> bool:
-        """Whether ``spec`` answers as an engine of its role (a registration)."""
+    async def identify(self, spec: WorkerSpec, timeout_s: float) -> Probe | None:
+        """What ``spec`` says of itself if it answers as an engine of its role, asked without credentials (a
+        registration: the engine's key goes only to workers that were registered); None: it does not."""
 
     async def held(self, url: str, timeout_s: float) -> list[Held] | None:
         """The requests the engine holds, by rid (None: it does not say)."""

@@ -12,10 +12,17 @@
   (``/pdgate/v1/requests``); plain SGLang is reconciled by counts.
 - Usage: OpenAI's ``usage`` or ``/generate``'s ``meta_info``; ``return_logprob`` on ``/generate`` gets the
   prefill's input logprobs in front of the decode's, as SGLang's routers merge them.
+- Output tokens, as SGLang reads them (``srt/entrypoints/openai/protocol.py``): ``/generate`` its
+  ``sampling_params.max_new_tokens`` (default 128); completions ``max_tokens`` (default 16); chat
+  ``max_completion_tokens or max_tokens`` (neither: up to the context length). Other fields of the same meaning
+  are not read by the engine for that route, so they count for nothing here either.
+- With ``--api-key``, SGLang leaves ``/health``, ``/ready`` and ``/metrics`` open (``srt/utils/auth.py``,
+  ``decide_request_auth``): a registration is identified there, without the key, when ``/server_info`` wants it.
 """
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -29,7 +36,8 @@ if TYPE_CHECKING:
     from pdgate.record import Attempt
     from pdgate.upstream import Upstream
 
-GENERATE = "/generate"
+GENERATE, COMPLETIONS = "/generate", "/v1/completions"
+DEFAULT_NEW_TOKENS = {GENERATE: 128, COMPLETIONS: 16}  # SamplingParams.max_new_tokens; CompletionRequest.max_tokens
 # the queues a worker of each role holds our requests in (count-mode reconciliation)
 HELD = {"prefill": ("prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs"),
         "decode": ("decode_prealloc_queue_reqs", "decode_transfer_queue_reqs", "num_running_reqs")}
@@ -80,6 +88,23 @@ class SGLang:
         cached = details.get("cached_tokens") if isinstance(details, dict) else u.get("cached_tokens")
         return Usage(_count(u.get("prompt_tokens")), _count(u.get("completion_tokens")), _count(cached))
 
+    def output_tokens(self, route: str, body: dict[str, Any]) -> int | None:
+        if route == GENERATE:
+            sp = body.get("sampling_params")
+            v = sp.get("max_new_tokens", DEFAULT_NEW_TOKENS[route]) if isinstance(sp, dict) else DEFAULT_NEW_TOKENS[route]
+        elif route == COMPLETIONS:
+            v = body.get("max_tokens", DEFAULT_NEW_TOKENS[route])
+        else:
+            v = body.get("max_completion_tokens") or body.get("max_tokens")
+        return _count(v)
+
+    def limit_output(self, route: str, body: dict[str, Any], n: int) -> None:
+        if route == GENERATE:
+            sp = body.get("sampling_params")
+            body["sampling_params"] = {**(sp if isinstance(sp, dict) else {}), "max_new_tokens": n}
+        else:
+            body["max_completion_tokens" if route != COMPLETIONS else "max_tokens"] = n
+
     def defers_decode_abort(self, decode_fixes: list[str] | None) -> bool:
         return "A" not in (decode_fixes or ())
 
@@ -116,7 +141,7 @@ class SGLang:
                   capacity=cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else None,
                   queues=queues, lists_rids=info.get("pdgate_engine") is not None)
         if queues:
-            p.held = sum(int(queues.get(k) or 0) for k in HELD[role] if isinstance(queues.get(k) or 0, int))
+            p.held = sum(v for k in HELD[role] if isinstance(v := queues.get(k), int))
         if "num_running_reqs" in queues:
             p.running = sum(v for k, v in queues.items() if k in ("num_running_reqs", "num_waiting_reqs")
                             and isinstance(v, int))
@@ -137,14 +162,22 @@ class SGLang:
     def forget(self, url: str) -> None:
         self.no_info.discard(url)  # whatever comes back up may be another engine
 
-    async def identify(self, spec: WorkerSpec, timeout_s: float) -> bool:
+    async def identify(self, spec: WorkerSpec, timeout_s: float) -> Probe | None:
         """``/health`` 200, and ``/server_info`` naming the same disaggregation mode (a decode registered as a
-        prefill, or anything else, is refused)."""
-        status, _ = await self.up.get(spec.url + wire.HEALTH_PATH, timeout_s)
+        prefill, or anything else, is refused); when ``/server_info`` wants a key, SGLang's open ``/metrics``
+        with gauges of this role. All asked without the gateway's credentials."""
+        status, _ = await self.up.get(spec.url + wire.HEALTH_PATH, timeout_s, auth=False)
         if status != 200:
-            return False
-        status, info = await self.up.get_json(spec.url + wire.SERVER_INFO_PATH, timeout_s)
-        return status == 200 and isinstance(info, dict) and info.get("disaggregation_mode") == spec.role
+            return None
+        status, info = await self.up.get_json(spec.url + wire.SERVER_INFO_PATH, timeout_s, auth=False)
+        if status == 200:
+            ok = isinstance(info, dict) and info.get("disaggregation_mode") == spec.role
+            return self._probed(info, {}, spec.role) if ok else None
+        if status in (401, 403):
+            status, text = await self.up.get(spec.url + wire.METRICS_PATH, timeout_s, auth=False)
+            gauge = re.compile(rb'^sglang[:_]num_running_reqs\{[^}]*engine_type="%b"' % spec.role.encode(), re.M)
+            return Probe(True) if status == 200 and gauge.search(text) else None
+        return None
 
     async def held(self, url: str, timeout_s: float) -> list[Held] | None:
         try:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import aiohttp
@@ -42,8 +43,8 @@ def make_config(prefills: Iterable[Sim], decodes: Iterable[Sim], **kw: Any) -> G
     ))
 
 
-async def start_gateway(cfg: GatewayConfig) -> Running:
-    gw = Gateway(cfg)
+async def start_gateway(cfg: GatewayConfig, clock: Callable[[], float] = time.monotonic) -> Running:
+    gw = Gateway(cfg, clock=clock)
     runner = await serve(build_app(cfg, gw), cfg.host, cfg.port)
     return Running(f"http://127.0.0.1:{cfg.port}", gw, runner, runner.admin_url)
 

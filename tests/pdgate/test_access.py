@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from pdgate.errors import detail_of, one_line
 from pdgate.rid import Ids, Rid
 from pdgate.workers import State
 from tests.pdgate.harness import Running, make_config, start_gateway
+from tests.pdgate.sse import call as sse_call
 from tests.procs import ROOT, Procs, Sim, free_port, wait_http, workers_toml
 
 CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "say hi"}], "max_tokens": 4}
@@ -45,8 +47,9 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-async def gateway(gateways: list[Any], prefills: list[Sim], decodes: list[Sim], **kw: Any) -> Running:
-    g = await start_gateway(make_config(prefills, decodes, **kw))
+async def gateway(gateways: list[Any], prefills: list[Sim], decodes: list[Sim],
+                  clock: Callable[[], float] = time.monotonic, **kw: Any) -> Running:
+    g = await start_gateway(make_config(prefills, decodes, **kw), clock)
     gateways.append(g)
     return g
 
@@ -167,11 +170,16 @@ async def test_the_registration_and_forgery_sequence_fails_at_its_first_step(pro
         assert max(took.values()) - min(took.values()) < 0.15, f"and takes as long: {took}"
         assert "hunter2" not in answers[sport] and "\n" not in answers[sport]
         assert len(g.gw.upstream.client.pools) == 2, "no connection pool is left for what failed"
+        assert not any(b"authorization" in h.lower() for h in seen), "nor did it get any credentials"
         for url, why in ((g.url, "this gateway itself"), (g.admin, "this gateway itself")):
             status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY, {"role": "decode", "url": url})
             assert status == 400 and why in body["error"]["message"]
         status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY,
-                                     {"role": "decode", "url": p.url})  # a prefill is no decode
+                                     {"role": "decode", "url": p.url})  # p0 itself, under another role
+        assert status == 409 and "worker p0" in body["error"]["message"], body
+        p2 = procs.sim("prefill")
+        status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY,
+                                     {"role": "decode", "url": p2.url})  # a prefill is no decode
         assert status == 502
         assert sorted(g.gw.pool.by_id) == ["d0", "p0"] and sorted(g.runner.control.health_tasks) == ["d0", "p0"], \
             "a failed registration leaves nothing behind"
@@ -327,9 +335,8 @@ async def test_rate_limits_answer_429_with_retry_after_and_recover(procs: Procs,
                                                                    gateways: list[Any]) -> None:
     p = procs.sim("prefill")
     d = procs.sim("decode", "--speed", "15")
-    g = await gateway(gateways, [p], [d], **keyed(requests_per_min=6, max_concurrent=1))
-    shift = [0.0]
-    g.gw.clock = lambda: time.monotonic() + shift[0]  # the minute passes on the gateway's clock, not the test's
+    shift = [0.0]  # the minute passes on the gateway's clock, not the test's
+    g = await gateway(gateways, [p], [d], lambda: time.monotonic() + shift[0], **keyed(requests_per_min=6, max_concurrent=1))
 
     slow = asyncio.create_task(call(http, "POST", g.url + "/v1/chat/completions", A_KEY, {**CHAT, "max_tokens": 20}))
     await asyncio.sleep(0.5)
@@ -354,15 +361,62 @@ async def test_rate_limits_answer_429_with_retry_after_and_recover(procs: Procs,
 async def test_tokens_per_min_counts_what_the_engines_reported(procs: Procs, http: aiohttp.ClientSession,
                                                                gateways: list[Any]) -> None:
     p, d = procs.pair()
-    g = await gateway(gateways, [p], [d], **keyed(tokens_per_min=60))
     shift = [0.0]
-    g.gw.clock = lambda: time.monotonic() + shift[0]
-    status, body, _ = await call(http, "POST", g.url + "/v1/chat/completions", A_KEY, {**CHAT, "max_tokens": 64})
-    assert status == 200 and body["usage"]["total_tokens"] > 60
-    status, body, headers = await call(http, "POST", g.url + "/v1/chat/completions", A_KEY, CHAT)
+    g = await gateway(gateways, [p], [d], lambda: time.monotonic() + shift[0], **keyed(tokens_per_min=100))
+    status, body, _ = await call(http, "POST", g.url + "/v1/chat/completions", A_KEY, {**CHAT, "max_tokens": 200})
+    assert status == 429 and body["error"]["type"] == "tokens" and "more than the tokens_per_min" in body["error"]["message"]
+    status, body, _ = await call(http, "POST", g.url + "/v1/chat/completions", A_KEY, {**CHAT, "max_tokens": 60})
+    assert status == 200 and body["usage"]["total_tokens"] < 100
+    status, body, headers = await call(http, "POST", g.url + "/v1/chat/completions", A_KEY, {**CHAT, "max_tokens": 60})
     assert status == 429 and body["error"]["type"] == "tokens", body
     shift[0] += int(headers["Retry-After"])
-    assert (await call(http, "POST", g.url + "/v1/chat/completions", A_KEY, CHAT))[0] == 200
+    assert (await call(http, "POST", g.url + "/v1/chat/completions", A_KEY, {**CHAT, "max_tokens": 60}))[0] == 200
+
+
+# the bodies of issue 26's probe: honest, and with a decoy field the engine does not read for that route
+DECOYS = {
+    "generate": ("/generate", {"text": "story " * 20, "stream": True, "sampling_params": {"max_new_tokens": 400}}),
+    "generate+decoy": ("/generate", {"text": "story " * 20, "stream": True, "max_tokens": 1,
+                                     "sampling_params": {"max_new_tokens": 400}}),
+    "completions+decoy": ("/v1/completions", {"model": "sim-model", "prompt": "story " * 20, "stream": True,
+                                              "max_tokens": 400, "max_completion_tokens": 1}),
+    "chat+decoy": ("/v1/chat/completions", {"model": "sim-model", "stream": True, "max_tokens": 1,
+                                            "max_completion_tokens": 400,
+                                            "messages": [{"role": "user", "content": "story " * 20}]}),
+}
+
+
+@pytest.mark.parametrize("shape", list(DECOYS))
+async def test_tokens_per_min_holds_whatever_decoy_fields_a_body_carries(procs: Procs, http: aiohttp.ClientSession,
+                                                                         gateways: list[Any], shape: str) -> None:
+    """tokens_per_min = 600, six concurrent 400-token streams: each is charged, in full, what the engine will
+    generate for it (the field it reads for that route), so at most 600 tokens pass in the minute; the rest get
+    429 ``tokens``. (With the estimate read from whichever field came first and one token enough to pass, a decoy
+    ``max_tokens: 1`` let all six in: 2,400 tokens.)"""
+    p, d = procs.pair()
+    g = await gateway(gateways, [p], [d], **keyed(tokens_per_min=600))
+    path, body = DECOYS[shape]
+    seen = await asyncio.gather(*(sse_call(http, g.url + path, body, auth(A_KEY)) for _ in range(6)))
+    passed = [s for s in seen if s.status == 200]
+    refused = [s for s in seen if s.status == 429]
+    assert len(passed) + len(refused) == 6 and all(s.json["error"]["type"] == "tokens" for s in refused), seen
+    got = sum(len(s.tokens) for s in passed)
+    assert passed and got <= 600, f"{len(passed)} streams passed, {got} tokens"
+
+
+async def test_a_request_without_a_limit_is_capped_at_what_the_key_has_left(procs: Procs, http: aiohttp.ClientSession,
+                                                                            gateways: list[Any]) -> None:
+    """A chat request that names no limit would run to the engine's context: it is capped at what the key has
+    left, and the engine is told so (it generates no more than that; the sim's own default would be 128)."""
+    p, d = procs.pair()
+    g = await gateway(gateways, [p], [d], **keyed(tokens_per_min=100))
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "story " * 20}]}
+    status, answer, _ = await call(http, "POST", g.url + "/v1/chat/completions", A_KEY, body)
+    assert status == 200 and answer["usage"]["total_tokens"] <= 100, answer["usage"]
+    rid = answer["id"]
+    async with http.get(d.url + "/pdgate/v1/seen") as r:
+        sent = next(s for s in (await r.json())["seen"] if s["rid"] == rid)
+    assert 0 < sent["max_tokens"] < 100, sent
 
 
 def test_token_bucket_and_tenant_limits_without_a_loop() -> None:
@@ -577,3 +631,71 @@ def test_config_refuses_bad_keys() -> None:
     for bad in ("http://127.0.0.1:8000\t", "http://127.0.0.1:8000?", "http://127.0.0.1:8000#"):
         with pytest.raises(ConfigError):
             config.validate_worker(config.WorkerSpec(url=bad, role="decode"))
+
+
+async def forwarder(to_port: int) -> tuple[asyncio.Server, int]:
+    """A TCP relay to ``to_port``: the same engine at another address."""
+    async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        try:
+            while data := await r.read(65536):
+                w.write(data)
+                await w.drain()
+        except ConnectionError:
+            pass
+        finally:
+            w.close()
+
+    async def handle(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        ur, uw = await asyncio.open_connection("127.0.0.1", to_port)
+        await asyncio.gather(pipe(r, uw), pipe(ur, w))
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_one_engine_is_registered_once_whatever_its_address(procs: Procs, http: aiohttp.ClientSession,
+                                                                  gateways: list[Any]) -> None:
+    """A second spelling of a registered engine's address (``localhost`` for ``127.0.0.1``), or another address
+    that reaches the same engine (its identity), is a 409 naming the worker it duplicates: one engine is never
+    counted as two (its capacity and load doubled)."""
+    p, d = procs.pair()
+    g = await gateway(gateways, [p], [d], **keyed())
+    relay, rport = await forwarder(d.port)
+    try:
+        status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY,
+                                     {"role": "decode", "url": d.url.replace("127.0.0.1", "localhost")})
+        assert status == 409 and "worker d0" in body["error"]["message"], body
+        status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY,
+                                     {"role": "decode", "url": f"http://127.0.0.1:{rport}"})
+        assert status == 409 and "same identity" in body["error"]["message"] and "d0" in body["error"]["message"], body
+        assert sorted(g.gw.pool.by_id) == ["d0", "p0"]
+        d2 = procs.sim("decode")  # another engine still registers
+        status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY, {"role": "decode", "url": d2.url})
+        assert status == 201 and body["id"] == "d1", body
+    finally:
+        relay.close()
+
+
+async def test_a_registration_target_gets_no_credentials(procs: Procs, http: aiohttp.ClientSession,
+                                                         gateways: list[Any]) -> None:
+    """The engine key goes only to registered workers: a target is identified without it (SGLang leaves /health,
+    /ready and /metrics open under --api-key), so a target that is refused never sees the key; an engine with
+    --api-key still registers (its /metrics says what it is) and is then checked with the key."""
+    env = {"SIM_API_KEY": "engine-secret"}
+    p, d = procs.pair(env=env)
+    g = await gateway(gateways, [p], [d], worker_api_key="engine-secret", **keyed())
+    answers_anything, aport, seen_a = await rogue_listener(200, FORGED)
+    wants_a_key, kport, seen_k = await rogue_listener(401, b'{"error": "Unauthorized"}')
+    try:
+        for port in (aport, kport):
+            status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY,
+                                         {"role": "decode", "url": f"http://127.0.0.1:{port}"})
+            assert status == 502 and body["error"]["code"] == "worker_unreachable", body
+        heads = seen_a + seen_k
+        assert heads and not any(b"engine-secret" in h or b"authorization" in h.lower() for h in heads), heads
+        d2 = procs.sim("decode", env=env)
+        status, body, _ = await call(http, "POST", g.admin + "/v1/workers", ADMIN_KEY, {"role": "decode", "url": d2.url})
+        assert status == 201 and body["state"] == "up", body  # identified without the key, then checked with it
+    finally:
+        for s in (answers_anything, wants_a_key):
+            s.close()
