@@ -48,8 +48,7 @@ Handler = Callable[[Control, Request], Awaitable[Response | Stream]]
 
 
 class Registered(Response):
-    """A registration's answer, with the id the worker got (the audit line names it, a group's siblings are
-    told it)."""
+    """A registration's answer, with the id the worker got (the audit line names it)."""
 
     __slots__ = ("worker",)
 
@@ -200,11 +199,12 @@ async def add_worker(ctl: Control, request: Request) -> Response:
         await asyncio.sleep(max(0.0, timeout - (time.monotonic() - started)))  # as long as the slowest failure
         raise WorkerUnreachable(f"the {spec.role} worker at {spec.url} did not answer as an {spec.engine} "
                                 f"{spec.role} worker within {timeout:g}s; nothing was registered")
-    wid = request.headers.get("x-pdgate-worker-id") if "x-pdgate-local" in request.headers else None
     try:
-        w = await ctl.register(spec, wid)  # a sibling's registration comes with the id it got there (pdgate.siblings)
-    except ValueError as exc:  # registered meanwhile by another call, or that id names another worker here
+        w = await ctl.register(spec)  # with a shared store: into its worker set, which names it, for every process
+    except ValueError as exc:  # registered meanwhile by another call
         raise Conflict(str(exc)) from None
+    if w is None:
+        raise Conflict(f"{spec.role} worker {spec.url} is already registered")
     return Registered(orjson.dumps(w.view(gw.now())), 201, w.id)
 
 
@@ -212,7 +212,7 @@ async def remove_worker(ctl: Control, request: Request) -> Response:
     wid = request.match["id"]
     if wid not in ctl.gw.pool.by_id:
         raise NotFound(f"no worker {wid}")
-    w = ctl.remove(wid)
+    w = await ctl.remove(wid)
     return json_response({"removed": wid, "url": w.url})
 
 

@@ -35,6 +35,7 @@ from pdgate.routing import Pair, Routing
 if TYPE_CHECKING:
     from pdgate.context import Ctx
     from pdgate.metrics import Metrics
+    from pdgate.store.base import Store, TenantAsk
     from pdgate.workers import Pool, Worker
 
 PRIORITY_HEADER = "x-pdgate-priority"
@@ -43,13 +44,14 @@ NO_PAIR = "no healthy prefill+decode pair is available"
 
 class Admission:
     """A request read into its record: the body parsed and checked, the model the key may use, the deadlines
-    resolved once, the key's token estimate charged."""
+    resolved once, and the key's claim on its limits (taken with the pair: ``Gate.pair_for``)."""
 
     def __init__(self, cfg: GatewayConfig, pool: Pool, ids: Ids, clock: Callable[[], float]) -> None:
         self.cfg, self.pool, self.ids, self.clock = cfg, pool, ids, clock
 
-    def admit(self, request: Request, route: str, tenant: Tenant | None) -> tuple[Record, dict[str, Any]]:
-        """The request's record (live from here on) and the body to send to the engines."""
+    def admit(self, request: Request, route: str,
+              tenant: Tenant | None) -> tuple[Record, dict[str, Any], TenantAsk | None]:
+        """The request's record (live from here on), the body to send to the engines and its key's claim."""
         raw = request.body
         try:
             body = orjson.loads(raw)
@@ -74,29 +76,26 @@ class Admission:
         rec = Record(id=self.ids.new(), route=route, model=model, stream=stream, created=now, created_wall=time.time(),
                      deadlines=dl, client_request_id=request.headers.get("x-request-id"), body_bytes=len(raw))
         rec.priority = priority(request, tenant)
+        ask = None
         if tenant is not None:
             rec.tenant = tenant.name
-            if tenant.tokens is not None:
-                self.charge(tenant, rec, route, body, len(raw) // 4, now)
-        return rec, body
+            if tenant.limited:
+                ask = self.claim(tenant, rec, route, body, len(raw) // 4)
+        return rec, body, ask
 
-    def charge(self, tenant: Tenant, rec: Record, route: str, body: dict[str, Any], prompt: int, now: float) -> None:
-        """Charge what the request may use, in full, against what the key has left (a burst cannot pass on one
-        minute's allowance; settled at the end): about four bytes of JSON per prompt token, and the most tokens the
-        engines serving here will generate for it, read as they read the body (a field they do not read for
-        this route counts for nothing). A request they would let run to its context is capped at what is left."""
-        engines = self.pool.engines
-        asked = [e.output_tokens(route, body) for e in engines]
+    def claim(self, tenant: Tenant, rec: Record, route: str, body: dict[str, Any], prompt: int) -> TenantAsk:
+        """What the request may use, charged in full when it is dispatched against what the key has left (a burst
+        cannot pass on one minute's allowance; settled at the end): about four bytes of JSON per prompt token, and
+        the most tokens the engines serving here will generate for it, read as they read the body (a field they
+        do not read for this route counts for nothing). A request they would let run to its context gets what is
+        left (its output capped to it then: ``Gate.pair_for``)."""
+        asked = [e.output_tokens(route, body) for e in self.pool.engines]
+        rec.prompt_estimate = prompt
         if not asked or None in asked:
-            out = int(tenant.tokens_left(now)) - prompt
-            if out < 1:
-                tenant.take_tokens(prompt + 1, now)  # refused: says how long until it could pass
-            for e in engines:
-                e.limit_output(route, body, out)
-        else:
-            out = max(n for n in asked if n is not None)
-        tenant.take_tokens(prompt + out, now)
-        rec.prompt_estimate, rec.estimate = prompt, prompt + out
+            rec.estimate = prompt
+            return tenant.ask(prompt, unbounded=True)
+        rec.estimate = prompt + max(n for n in asked if n is not None)
+        return tenant.ask(rec.estimate)
 
 
 def priority(request: Request, tenant: Tenant | None) -> str:
@@ -120,8 +119,9 @@ def first_due(rec: Record) -> float:
 class Gate:
     """Pairs with room, handed out in the queue's order (module docstring)."""
 
-    def __init__(self, cfg: AdmissionConfig, routing: Routing, metrics: Metrics, clock: Callable[[], float]) -> None:
-        self.cfg, self.routing, self.metrics, self.clock = cfg, routing, metrics, clock
+    def __init__(self, cfg: AdmissionConfig, routing: Routing, store: Store, metrics: Metrics,
+                 clock: Callable[[], float]) -> None:
+        self.cfg, self.routing, self.store, self.metrics, self.clock = cfg, routing, store, metrics, clock
         self.queue = FairQueue()
         self.rates = Rates(cfg.window_s)
         self._pumping = False
@@ -135,9 +135,43 @@ class Gate:
     def pick(self, avoid: frozenset[int], view: RequestView, room: bool = True) -> Pair | None:
         return self.routing.pick(avoid, view, self.clock(), room)
 
-    async def pair_for(self, ctx: Ctx, avoid: frozenset[int], retry: bool) -> Pair:
-        """A pair for the next attempt: at once when one has room and nobody waits before (a retry never waits
-        behind the queue), else after queueing."""
+    async def pair_for(self, ctx: Ctx, avoid: frozenset[int], retry: bool, rid: str = "") -> Pair:
+        """A pair for the next attempt, and the store's word for it in one round trip: the key's limits (on the
+        first attempt) and a slot on both workers, whatever other gateway processes hold. A worker found full
+        there is seen so here too and the request goes first in the queue; a key over its limits is a 429."""
+        ask = None if retry else ctx.ask
+        while True:
+            pair = await self.local_pair(ctx, avoid, retry)
+            pw, dw = pair
+            on = self.cfg.enabled  # admission off: capacities are not held to (today's routers)
+            grant = await self.store.acquire(ask, ((pw.id, pw.capacity if on else None),
+                                                   (dw.id, dw.capacity if on else None)), self.clock(), rid)
+            for w in pair:
+                if w.id in grant.others:
+                    w.slots.others = grant.others[w.id]
+            if grant.ok:
+                break
+            if grant.limit != "full":
+                assert ctx.tenant is not None and ask is not None
+                self.metrics.reject(ctx.tenant.name, "tokens" if grant.limit == "too_large" else grant.limit or "")
+                raise ctx.tenant.refused(grant.limit or "", grant.retry_after_s, ask.tokens)
+            retry = True  # others hold the last slot: it waits, first in line
+        if ask is not None:
+            ctx.holds = True
+            rec = ctx.rec
+            if ask.unbounded:  # it gets what the key had left: its output is capped to that
+                for e in self.routing.pool.engines:
+                    e.limit_output(rec.route, ctx.body, max(1, grant.tokens - rec.prompt_estimate))
+                rec.estimate = grant.tokens
+        return pair
+
+    def give_back(self, workers: tuple[str, ...], rid: str = "") -> None:
+        """Slots taken by ``pair_for`` that an attempt no longer holds (``rid``: the attempt is over)."""
+        self.store.release(None, workers, self.clock(), rid)
+
+    async def local_pair(self, ctx: Ctx, avoid: frozenset[int], retry: bool) -> Pair:
+        """A pair with room as this process sees it: at once when one has room and nobody waits before (a retry
+        never waits behind the queue), else after queueing."""
         now = self.clock()
         if not self.cfg.enabled:
             pair = self.pick(avoid, ctx.view, room=False)

@@ -11,6 +11,7 @@ aborted on the engines (``pdgate.aborts``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
 class Bind:
     """An attempt bound to its two workers, with the cancel scope of its decode leg."""
 
-    __slots__ = ("att", "clock", "decode_resp", "prefill", "prefill_body", "prefill_exc", "scope", "span")
+    __slots__ = ("att", "clock", "decode_resp", "prefill", "prefill_body", "prefill_exc", "scope", "slots", "span")
 
     def __init__(self, att: Attempt, span: Any, clock: Callable[[], float], task: asyncio.Task[Any] | None = None) -> None:
         self.att = att
@@ -50,6 +51,7 @@ class Bind:
         self.prefill_body = b""
         self.prefill_exc: BaseException | None = None
         self.decode_resp: ClientResponse | None = None  # the decode's answer, kept open for a deferred abort
+        self.slots = [att.prefill, att.decode]  # the store's slots it holds on its workers
 
     def fail(self, exc: BaseException) -> None:
         self.scope.cancel(Reason(Cause.LEG_FAILED, error=exc))
@@ -96,15 +98,16 @@ class Attempts:
         avoid: set[int] = set()
         last: UpstreamError | None = None
         for n in range(1, self.cfg.max_attempts + 1):
-            try:
-                pw, dw = await self.gate.pair_for(ctx, frozenset(avoid), retry=n > 1)  # at once, or after the queue
+            rid = attempt_rid(rec.id, n)
+            try:  # at once, or after the queue
+                pw, dw = await self.gate.pair_for(ctx, frozenset(avoid), retry=n > 1, rid=rid)
             except NoHealthyPair:
                 if last is not None:
                     raise last from None
                 raise
             now = clock()
             rec.dispatched_at = now
-            att = Attempt(n=n, rid=attempt_rid(rec.id, n), prefill=pw.id, decode=dw.id, room=random.getrandbits(63))
+            att = Attempt(n=n, rid=rid, prefill=pw.id, decode=dw.id, room=random.getrandbits(63))
             rec.attempts.append(att)
             obs.move(rec, Phase.DISPATCHED, now)
             bind = Bind(att, obs.attempt_started(ctx, att, now), clock, ctx.scope.task)
@@ -134,6 +137,10 @@ class Attempts:
             finally:
                 pw.unbind(bind)
                 dw.unbind(bind)
+                tail = bind.prefill  # a prefill that has not answered yet: its rid stays recorded until it has
+                self.gate.give_back(tuple(bind.slots), "" if tail is not None else rid)
+                if tail is not None:
+                    tail.add_done_callback(functools.partial(self.rid_over, rid))
                 self.gate.free(counted=True, pump=not retrying)  # a retry takes its own slot before the queue does
                 routing.completed(pw, dw, view, ok)
                 obs.attempt_ended(rec, att, bind.span, clock())
@@ -187,6 +194,10 @@ class Attempts:
             elif bind.prefill_exc is not None and not isinstance(bind.prefill_exc, asyncio.CancelledError):
                 att.event(self.clock(), "prefill_error_after_first_token", str(bind.prefill_exc))
 
+    def rid_over(self, rid: str, _: asyncio.Task[bytes]) -> None:
+        """Its last leg ended: the store no longer lists the rid for the survivors, should this instance die."""
+        self.gate.give_back((), rid)
+
     def prefill_orphaned(self, att: Attempt, pw: Worker, p_task: asyncio.Task[bytes]) -> None:
         """Decode finished ``prefill_grace_s`` ago and the prefill has not answered: it is aborted."""
         if not p_task.done():
@@ -224,6 +235,8 @@ class Attempts:
         w.success(now)
         w.progress(now)
         w.unbind(bind)  # its part is done: it no longer holds this request (load, stall and restart checks)
+        bind.slots.remove(w.id)
+        self.gate.give_back((w.id,))
         self.gate.free(counted=False)  # its slot may go to a queued request
         rec = ctx.rec
         if not rec.stream and first_token(rec, now, self.obs.transitions):

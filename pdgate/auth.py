@@ -5,10 +5,11 @@
   stored key (the comparison is constant-time where it matters: with respect to the secrets).
 - A tenant (``Tenant``, one per client key) has its limits: live requests at once, requests and tokens per
   minute as token buckets (``Bucket``: the minute's allowance refills continuously), deadline caps and a
-  priority class. A limit reached is a ``RateLimited`` (429) that says when to come back (``Retry-After``).
-- Tokens are charged twice: in full at admission, the prompt's estimate and the most the engines will generate
-  for it, against what the key has left (so a burst of concurrent requests cannot pass on one minute's
-  allowance: ``take_tokens``), then the difference to what the engines reported, at the end.
+  priority class. The store keeps their live state (``pdgate.store``: one process's memory, or Redis shared by
+  all); a limit reached is a ``RateLimited`` (429) that says when to come back (``Retry-After``).
+- Tokens are charged twice: in full when the request is dispatched, the prompt's estimate and the most the
+  engines will generate for it, against what the key has left (so a burst of concurrent requests cannot pass
+  on one minute's allowance), then the difference to what the engines reported, at the end.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import dataclasses
 import hashlib
 import math
 import secrets
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 from pdgate.config import AdminKey, DeadlineConfig, KeyConfig, hash_key
 from pdgate.errors import RateLimited
+from pdgate.store.base import TenantAsk
 
 T = TypeVar("T")
 KEY_PREFIX = "pdg-sk-"
@@ -94,84 +96,51 @@ class Bucket:
         self._fill(now)
         self.level -= n
 
+    def resize(self, per_min: int, now: float) -> None:
+        """A new allowance (its share changed), as full as it was."""
+        self._fill(now)
+        self.level = self.level / self.cap * per_min if self.cap else float(per_min)
+        self.cap, self.rate = float(per_min), per_min / 60.0
+
 
 def retry_after(wait: float) -> int:
     return max(1, math.ceil(wait))
 
 
 class Tenant:
-    """A client key's live state: its live count and its buckets. ``admit`` before a request, ``release`` after."""
+    """A client key: the tenant's name, what it may use, its limits. Their live state (live requests, the
+    buckets) is the store's (``pdgate.store``): shared by every gateway process when the store is."""
 
-    __slots__ = ("deadlines", "key", "live", "models", "name", "priority", "requests", "tokens")
+    __slots__ = ("deadlines", "key", "limited", "models", "name", "priority")
 
-    def __init__(self, key: KeyConfig, deadlines: DeadlineConfig, now: float) -> None:
+    def __init__(self, key: KeyConfig, deadlines: DeadlineConfig) -> None:
         self.key = key
         self.name = key.name
         self.priority = key.priority
         self.models = frozenset(key.models)  # empty: every model
-        self.live = 0
-        self.requests = Bucket(key.requests_per_min, now) if key.requests_per_min else None
-        self.tokens = Bucket(key.tokens_per_min, now) if key.tokens_per_min else None
         self.deadlines = capped(deadlines, key)
+        self.limited = bool(key.max_concurrent or key.requests_per_min or key.tokens_per_min)
 
-    def count(self, now: float) -> None:
-        """One request against requests_per_min (any endpoint), or ``RateLimited``."""
-        if self.requests is not None:
-            wait = self.requests.wait(1.0, now)
-            if wait > 0:
-                raise RateLimited(f"key '{self.name}' has reached its requests_per_min of {self.key.requests_per_min}; "
-                                  f"try again in {retry_after(wait)}s", limit="requests", retry_after_s=retry_after(wait))
-            self.requests.take(1.0, now)
-
-    def admit(self, now: float) -> None:
-        """Count one more generation request against the limits, or raise ``RateLimited`` (nothing is counted
-        then)."""
+    def ask(self, tokens: int = 0, unbounded: bool = False, hold: bool = True) -> TenantAsk:
+        """Its claim on its limits for one request (``hold``: a generation request, live until released)."""
         k = self.key
-        if k.max_concurrent is not None and self.live >= k.max_concurrent:
-            raise RateLimited(f"key '{self.name}' has reached its max_concurrent of {k.max_concurrent} live requests",
-                              limit="concurrency", retry_after_s=1)
-        if self.requests is not None:
-            wait = self.requests.wait(1.0, now)
-            if wait > 0:
-                raise RateLimited(f"key '{self.name}' has reached its requests_per_min of {k.requests_per_min}; "
-                                  f"try again in {retry_after(wait)}s", limit="requests", retry_after_s=retry_after(wait))
-        if self.tokens is not None:
-            wait = self.tokens.wait(1.0, now)
-            if wait > 0:
-                raise RateLimited(f"key '{self.name}' has reached its tokens_per_min of {k.tokens_per_min}; "
-                                  f"try again in {retry_after(wait)}s", limit="tokens", retry_after_s=retry_after(wait))
-        if self.requests is not None:
-            self.requests.take(1.0, now)
-        self.live += 1
+        return TenantAsk(self.name, k.max_concurrent, k.requests_per_min, k.tokens_per_min, tokens, unbounded, hold)
 
-    def tokens_left(self, now: float) -> float:
-        assert self.tokens is not None
-        self.tokens.wait(0.0, now)  # refills it to now
-        return self.tokens.level
-
-    def take_tokens(self, n: int, now: float) -> None:
-        """``n`` tokens charged now, if the key has them left; else ``RateLimited`` (nothing charged), saying when
-        it could pass (never, for more than a minute's allowance)."""
-        b, k = self.tokens, self.key
-        assert b is not None
-        if n > b.cap:
-            raise RateLimited(f"this request may use {n} tokens (prompt and completion), more than the tokens_per_min "
-                              f"of {k.tokens_per_min} of key '{self.name}': ask for fewer (max_tokens)",
-                              limit="tokens", retry_after_s=60)
-        wait = b.wait(float(n), now)
-        if wait > 0:
-            raise RateLimited(f"key '{self.name}' has {max(0, int(b.level))} of its tokens_per_min of {k.tokens_per_min} "
-                              f"left and this request may use {n}; try again in {retry_after(wait)}s", limit="tokens",
-                              retry_after_s=retry_after(wait))
-        b.take(float(n), now)
-
-    def charge(self, tokens: int, now: float) -> None:
-        """Tokens used (or, negative, an estimate given back)."""
-        if self.tokens is not None and tokens:
-            self.tokens.take(float(tokens), now)
-
-    def release(self) -> None:
-        self.live -= 1
+    def refused(self, limit: str, retry_after_s: float, tokens: int = 0) -> RateLimited:
+        """The 429 for a claim the store refused, saying which limit and when to come back."""
+        k, wait = self.key, retry_after(retry_after_s)
+        if limit == "concurrency":
+            return RateLimited(f"key '{self.name}' has reached its max_concurrent of {k.max_concurrent} live requests",
+                               limit="concurrency", retry_after_s=1)
+        if limit == "requests":
+            return RateLimited(f"key '{self.name}' has reached its requests_per_min of {k.requests_per_min}; try again "
+                               f"in {wait}s", limit="requests", retry_after_s=wait)
+        if limit == "too_large":
+            return RateLimited(f"this request may use {tokens} tokens (prompt and completion), more than the "
+                               f"tokens_per_min of {k.tokens_per_min} of key '{self.name}': ask for fewer (max_tokens)",
+                               limit="tokens", retry_after_s=60)
+        return RateLimited(f"key '{self.name}' has too little of its tokens_per_min of {k.tokens_per_min} left for "
+                           f"this request ({tokens} tokens); try again in {wait}s", limit="tokens", retry_after_s=wait)
 
     def allows(self, model: str | None, served: frozenset[str]) -> bool:
         """Whether this key may use ``model`` (None: whatever is served, so every served model must be allowed)."""
@@ -194,12 +163,11 @@ def capped(cfg: DeadlineConfig, key: KeyConfig) -> DeadlineConfig:
     return dataclasses.replace(cfg, **changes) if changes else cfg
 
 
-def tenants(keys: tuple[KeyConfig, ...], deadlines: DeadlineConfig, clock: Callable[[], float]) -> Keys[Tenant] | None:
+def tenants(keys: tuple[KeyConfig, ...], deadlines: DeadlineConfig) -> Keys[Tenant] | None:
     """The client key table (None: no keys, an open front door)."""
     if not keys:
         return None
-    now = clock()
-    return Keys({k.hash: Tenant(k, deadlines, now) for k in keys})
+    return Keys({k.hash: Tenant(k, deadlines) for k in keys})
 
 
 def admins(keys: tuple[AdminKey, ...]) -> Keys[Admin] | None:

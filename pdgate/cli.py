@@ -59,7 +59,8 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
 def _workers_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=multi.default_workers(), metavar="N",
                    help="gateway processes sharing the port (SO_REUSEPORT), under a supervisor that restarts "
-                   "one that dies; one process relays on one core (limits apply per process)")
+                   "one that dies; one process relays on one core. They share limits, sessions and the worker "
+                   "set through the store: [store] url, or a redis-server the supervisor runs")
 
 
 def _admin_flags(p: argparse.ArgumentParser) -> None:
@@ -77,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("serve", help="run the gateway in front of existing workers", formatter_class=HELP)
     _add_gateway_flags(p)
+    p.add_argument("--store", metavar="URL", help="the store gateway processes share (redis://, rediss:// or "
+                   "unix:/path; config [store] url, env PDGATE_STORE_URL); none: this process alone")
     p.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
                    help="a prefill worker and its bootstrap port (repeatable)")
     p.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker (repeatable)")
@@ -144,6 +147,9 @@ def build_config(args: argparse.Namespace) -> config.GatewayConfig:
     decode = [config.validate_worker(config.WorkerSpec(url=u.rstrip("/"), role="decode"), "--decode") for u in args.decode]
     if args.admin_key_file:
         cfg = config.with_key_files(dataclasses.replace(cfg, admin_key_file=args.admin_key_file))
+    store = getattr(args, "store", None) or os.environ.get(multi.ENV_STORE)
+    if store:
+        cfg = config.validate(dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, url=store)))
     return config.override(cfg, host=args.host, port=args.port, policy=args.policy, max_attempts=args.max_attempts,
                            prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
                            prefill=tuple(prefill) or None, decode=tuple(decode) or None, **admin_flags(args))
@@ -181,7 +187,7 @@ def serve_group(args: argparse.Namespace, argv: list[str]) -> None:
     cfg = build_config(args)  # a bad config is refused once, here, not N times
     multi.check(cfg, args.workers, ports=True)
     log.info("pdgate: %d gateway processes on http://%s:%d", args.workers, cfg.host, cfg.port)
-    if multi.run(argv, args.workers, cfg.drain_s):
+    if multi.run(argv, args.workers, cfg):
         raise SystemExit(1)
 
 

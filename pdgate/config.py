@@ -110,9 +110,23 @@ class ReconcileConfig:
     enabled: bool = True
     interval_s: float = 5.0
     grace_s: float = 5.0  # an engine-held rid must be at least this old before it can be an orphan
-    lease_s: float = 30.0  # a rid of another gateway instance is an orphan once that instance is unseen this long
     drift_checks: int = 3  # count mode: consecutive excess readings before drift is acted on
     recent_rids: int = 2000  # ended rids remembered per gateway, for count mode's re-aborts
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """What several gateway processes share (``pdgate/store``; README "Every core, every host"): none (the
+    embedded store of one process), or Redis."""
+
+    url: str = ""  # redis://host:port/db, rediss://host:port/db or unix:/path; empty: one process, nothing shared
+    username: str | None = None  # Redis ACL user
+    password_file: str | None = None  # a file holding the password (or: password_env names a variable)
+    password_env: str | None = None
+    prefix: str = "pdgate:"  # every key's (several gateways on one Redis: one prefix each)
+    timeout_s: float = 0.05  # every call's bound; past it, limits fall back to this process's share
+    lease_s: float = 10.0  # an instance whose heartbeat is this old is gone (its rids are aborted by the others)
+    heartbeat_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -238,7 +252,7 @@ class GatewayConfig:
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     otel: OtelConfig = field(default_factory=OtelConfig)
-    peers: tuple[str, ...] = ()  # URLs of other gateways in front of the same workers (their leases are read)
+    store: StoreConfig = field(default_factory=StoreConfig)
     prefill: tuple[WorkerSpec, ...] = ()
     decode: tuple[WorkerSpec, ...] = ()
 
@@ -349,6 +363,7 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
                                                 and re.fullmatch(r"[0-9a-f]{1,16}", cfg.instance_id)):
             raise ConfigError("gateway.instance_id", cfg.instance_id, "must be 1-16 lower-case hex digits (it is in "
                               "every request id, which reconciliation reads back)")
+    _validate_store(cfg.store, errs)
     with errs:
         if not isinstance(cfg.otel.service_name, str) or not cfg.otel.service_name:
             raise ConfigError("otel.service_name", cfg.otel.service_name, "must be a non-empty string")
@@ -360,6 +375,23 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
             raise ConfigError("otel.endpoint", cfg.otel.endpoint, "must be an http:// or https:// URL")
     errs.raise_any()
     return cfg
+
+
+def _validate_store(s: StoreConfig, errs: Errors) -> None:
+    with errs:
+        if not isinstance(s.url, str) or (s.url and not s.url.startswith(("redis://", "rediss://", "unix:"))):
+            raise ConfigError("store.url", s.url, "must be redis://host:port/db, rediss://host:port/db or unix:/path "
+                              "(empty: one process, nothing shared)")
+    with errs:
+        if not isinstance(s.prefix, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]{0,64}", s.prefix):
+            raise ConfigError("store.prefix", s.prefix, "must be up to 64 of A-Z a-z 0-9 _ . : -")
+    for key in ("timeout_s", "lease_s", "heartbeat_s"):
+        with errs:
+            _positive(f"store.{key}", getattr(s, key))
+    with errs:
+        if isinstance(s.lease_s, (int, float)) and isinstance(s.heartbeat_s, (int, float)) and s.lease_s < 2 * s.heartbeat_s:
+            raise ConfigError("store.lease_s", s.lease_s, "must be at least twice store.heartbeat_s (a late heartbeat "
+                              "must not make an instance gone)")
 
 
 def is_loopback(host: str) -> bool:
@@ -538,7 +570,7 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
     sections: dict[str, Any] = {}
     for name, cls in (("deadlines", DeadlineConfig), ("health", HealthConfig), ("breaker", BreakerConfig),
                       ("reconcile", ReconcileConfig), ("admission", AdmissionConfig), ("routing", RoutingConfig),
-                      ("otel", OtelConfig)):
+                      ("otel", OtelConfig), ("store", StoreConfig)):
         raw = data.pop(name, {})
         sections[name] = cls()  # a section with errors is checked no further (its defaults stand in for it)
         with errs:
@@ -564,7 +596,7 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
     for key in list(data):
         with errs:
             raise ConfigError(key, "...", f"unknown section; {did_you_mean(key, SECTIONS)}")
-    for key in ("peers", "allowed_worker_hosts"):
+    for key in ("allowed_worker_hosts",):
         if isinstance(top.get(key), list):
             top[key] = tuple(top[key])
     if "abort_repeat_s" in top:
@@ -578,8 +610,8 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
     return cfg
 
 
-SECTIONS = ("gateway", "deadlines", "health", "breaker", "reconcile", "admission", "routing", "otel", "models", "prefill",
-            "decode", "keys", "admin_keys")
+SECTIONS = ("gateway", "deadlines", "health", "breaker", "reconcile", "admission", "routing", "otel", "store", "models",
+            "prefill", "decode", "keys", "admin_keys")
 
 
 def _table(v: Any, key: str) -> dict[str, Any]:

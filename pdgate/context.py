@@ -14,10 +14,11 @@ from pdgate.scope import Reason, Scope, Watchdog
 
 if TYPE_CHECKING:
     from pdgate.auth import Tenant
+    from pdgate.store.base import TenantAsk
 
 
 class Ctx:
-    __slots__ = ("body", "done", "loop", "rec", "request", "resp", "route", "scope", "span", "stream_error", "tenant",
+    __slots__ = ("ask", "body", "done", "holds", "loop", "rec", "request", "resp", "route", "scope", "span", "stream_error", "tenant",
                  "view", "watchdog")
 
     def __init__(self, request: Request, rec: Record, route: str, body: dict[str, Any], view: RequestView,
@@ -32,6 +33,8 @@ class Ctx:
         self.resp: Stream | None = None  # the client's stream, once its head went out
         self.stream_error: str | None = None  # the engine's own error event went out on it
         self.done = False  # its stream's [DONE] went out: the client has its whole answer, nothing follows it
+        self.ask: TenantAsk | None = None  # its key's claim on its limits (taken with its first pair)
+        self.holds = False  # it holds one of its key's live requests (given back when it ends)
         self.loop = request.loop
         self.scope = Scope(request.task)
         self.watchdog = Watchdog(self.scope, rec.due, clock, self.loop)

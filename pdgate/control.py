@@ -1,25 +1,31 @@
 """The operator's side of a running gateway: its workers' health checks, registrations and removals, the
-reconciler, and (under ``pdgate up``) the supervisor that runs the workers. The admin plane's handlers act
-through it (``pdgate.admin``); ``server.App`` owns it next to its listeners.
+reconciler, the store's heartbeat and worker set, and (under ``pdgate up``) the supervisor that runs the workers.
+The admin plane's handlers act through it (``pdgate.admin``); ``server.App`` owns it next to its listeners.
+
+With a shared store (``pdgate.store``) the worker set is the store's: a registration or a removal made through
+any process's admin plane is written there, with the id the store gives it, and every process applies it (pushed,
+and checked against the set's version at each heartbeat); the config's workers seed an empty store.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from pdgate import multi
 from pdgate.config import GatewayConfig, WorkerSpec, worker_hosts_allowed
 from pdgate.gateway import Gateway
+from pdgate.metrics import FLUSH_S, SharedFiles
 from pdgate.reconcile import Reconciler
+from pdgate.store.base import Beat
 from pdgate.workers import Worker
 
 log = logging.getLogger("pdgate.server")
+QUEUED_BEAT_S = 0.1  # requests wait for slots other processes hold: what they hold is asked this often
 
 
 class WorkerSupervisor(Protocol):
@@ -30,43 +36,76 @@ class WorkerSupervisor(Protocol):
     async def view(self) -> list[dict[str, Any]]: ...
 
 
+def spec_of(w: Worker) -> dict[str, Any]:
+    s = w.spec
+    return {"id": w.id, "role": s.role, "url": s.url, "bootstrap_port": s.bootstrap_port, "engine": s.engine}
+
+
 class Control:
-    def __init__(self, gw: Gateway, group: multi.Group | None, supervisor: WorkerSupervisor | None) -> None:
+    def __init__(self, gw: Gateway, supervisor: WorkerSupervisor | None) -> None:
         self.gw = gw
         self.cfg: GatewayConfig = gw.cfg
-        self.group = group  # one of several processes on one port (``pdgate serve --workers N``)
+        self.store = gw.store
         self.supervisor = supervisor
         self.health_tasks: dict[str, asyncio.Task[None]] = {}
-        self.reconciler = Reconciler(gw.cfg, gw.instance, gw.pool, gw.traces, gw.metrics, gw.recent, gw.upstream,
+        self.reconciler = Reconciler(gw.cfg, gw.instance, gw.pool, gw.traces, gw.metrics, gw.recent, gw.store,
                                      gw.clock)
-        if group is not None:
-            self.reconciler.siblings = lambda: [str(m["instance"]) for m in group.members()]
-        self.rec_task: asyncio.Task[None] | None = None
+        self.tasks: list[asyncio.Task[None]] = []
         self.worker_hosts = worker_hosts_allowed(gw.cfg)
         self.registering: set[tuple[str, str]] = set()  # (role, url) of registrations being probed
         self.draining = False
         # this gateway's own listeners, as worker URLs would spell them (never registered as a worker): set by App
         self.own_urls: Callable[[], set[str]] = set
-        self.private: dict[str, int] = {}  # a process of a group: the port of each plane's private listener
+        self.reachable: dict[str, str] = {}  # plane -> where the other instances reach this one's (set by App)
+        self._syncing: asyncio.Task[None] | None = None
+        self._sync_again = False
 
     async def start(self) -> None:
         gw = self.gw
-        self.adopt_workers()
+        await self.store.start(gw.instance, self.workers_changed)
+        if self.store.shared:
+            await self.sync_workers()  # the config's workers seed an empty store
         await asyncio.gather(*(gw.health.check(w) for w in gw.pool.by_id.values()))
         for wid in list(gw.pool.by_id):
             self.start_health(wid)
+
+    def run(self) -> None:
+        """The background work of a listening gateway: reconciliation, and the store's heartbeat (where the
+        others reach this instance is known now)."""
+        gw, loop = self.gw, asyncio.get_running_loop()
         if gw.cfg.reconcile.enabled:
-            self.rec_task = asyncio.get_running_loop().create_task(self.reconciler.run())
+            self.tasks.append(loop.create_task(self.reconciler.run()))
+        if self.store.shared:
+            self.tasks.append(loop.create_task(self.beats()))
+        if gw.metrics.shared is not None:
+            self.tasks.append(loop.create_task(self.flush_metrics(gw.metrics.shared)))
+
+    async def flush_metrics(self, files: SharedFiles) -> None:
+        while True:
+            await asyncio.sleep(FLUSH_S)
+            try:
+                files.flush()
+            except Exception:  # a full disk must not stop the gateway
+                log.exception("could not write the metrics files")
 
     def start_health(self, wid: str) -> None:
         self.health_tasks[wid] = asyncio.get_running_loop().create_task(self.gw.health.run(self.gw.pool.by_id[wid]))
 
-    async def register(self, spec: WorkerSpec, wid: str | None) -> Worker:
-        """Add ``spec`` (under ``wid``, a sibling's id for it), check it once, watch it from now on."""
+    # ---- the worker set ---------------------------------------------------------------------------
+    async def register(self, spec: WorkerSpec) -> Worker | None:
+        """Add ``spec`` (with a shared store: to the store's set, which names it), check it once, watch it from
+        now on. None: it is there already."""
         gw = self.gw
+        wid = None
+        if self.store.shared:
+            wid = await self.store.add_worker({"role": spec.role, "url": spec.url, "bootstrap_port": spec.bootstrap_port,
+                                               "engine": spec.engine})
+            if wid is None:
+                return None
+            if wid in gw.pool.by_id:  # the store's push came first
+                return gw.pool.by_id[wid]
         w = gw.pool.add(spec, wid)
         self.start_health(w.id)
-        self.announce()
         await gw.health.check(w)
         return w
 
@@ -91,7 +130,12 @@ class Control:
             return None
         return next((w for w, addrs in zip(workers, theirs, strict=True) if mine & addrs), None)
 
-    def remove(self, wid: str) -> Worker:
+    async def remove(self, wid: str) -> Worker:
+        if self.store.shared:
+            await self.store.remove_worker(wid)
+        return self.drop(wid)
+
+    def drop(self, wid: str) -> Worker:
         gw = self.gw
         w = gw.pool.remove(wid, gw.now())
         task = self.health_tasks.pop(wid, None)
@@ -100,48 +144,100 @@ class Control:
         w.engine.forget(w.url)
         if not any(o.url == w.url for o in gw.pool.by_id.values()):
             gw.upstream.client.drop(w.url)  # its connections go with it
-        self.announce()
         return w
 
-    def announce(self) -> None:
-        """A process of a group: its record file (``pdgate.multi``), with the workers it routes to, so that a
-        sibling started later (or restarted) routes to the same ones."""
-        if self.group is None:
+    def workers_changed(self) -> None:
+        """Another process changed the worker set (pushed, or a newer version seen): apply it, once at a time."""
+        if self._syncing is not None:
+            self._sync_again = True
             return
-        self.group.announce({"instance": self.gw.instance, "changed": time.time(), "draining": self.draining,
-                             "workers": [{"id": w.id, "role": w.role, "url": w.url, "engine": w.spec.engine,
-                                          "bootstrap_port": w.spec.bootstrap_port}
-                                         for w in self.gw.pool.by_id.values()],
-                             "next_ids": self.gw.pool.next_ids,
-                             **{plane: f"http://127.0.0.1:{port}" for plane, port in self.private.items()}})
+        self._syncing = asyncio.get_running_loop().create_task(self._sync_loop())
 
-    def adopt_workers(self) -> None:
-        """Before it listens, a process of a group routes to the workers its siblings route to: those registered
-        or removed on the admin plane since the config was written (the sibling that changed last knows)."""
-        if self.group is None:
-            return
-        latest = max(self.group.siblings(), key=lambda m: float(m.get("changed") or 0), default=None)
-        if latest is None or not isinstance(latest.get("workers"), list):
-            return
-        theirs = {(w.get("role"), w.get("url"), w.get("id")): w for w in latest["workers"] if isinstance(w, dict)}
+    async def _sync_loop(self) -> None:
+        try:
+            self._sync_again = True
+            while self._sync_again:
+                self._sync_again = False
+                await self.sync_workers()
+        except Exception:  # the next heartbeat's version check tries again
+            log.exception("could not apply the store's worker set")
+        finally:
+            self._syncing = None
+
+    async def sync_workers(self) -> None:
+        """The same workers under the same ids as the store has them (a store that lost its worker set, as a
+        Redis restarted empty, gets this process's back first)."""
+        version, specs = await self.store.worker_set()
+        if version == 0:
+            await self.store.seed_workers([spec_of(w) for w in self.gw.pool.by_id.values()])
+            version, specs = await self.store.worker_set()
+        want = {str(s["id"]): s for s in specs}
         pool = self.gw.pool
-        for w in list(pool.by_id.values()):  # the same workers under the same ids: an id means one worker in all
-            if (w.role, w.url, w.id) not in theirs:
-                pool.remove(w.id, self.gw.now())
-        ours = {(w.role, w.url, w.id) for w in pool.by_id.values()}
-        for key, rec in theirs.items():
-            if key not in ours:
-                try:
-                    pool.add(WorkerSpec(url=rec["url"], role=rec["role"], bootstrap_port=rec.get("bootstrap_port"),
-                                        engine=rec.get("engine", "sglang")), rec["id"])
-                except (ValueError, KeyError, TypeError) as exc:
-                    log.warning("could not adopt the worker %s of a sibling: %s", rec.get("url"), exc)
-        if isinstance(latest.get("next_ids"), dict):
-            pool.continue_ids(latest["next_ids"])
+        for w in list(pool.by_id.values()):
+            s = want.get(w.id)
+            if s is None or s.get("url") != w.url or s.get("role") != w.role:
+                self.drop(w.id)
+        for wid, s in sorted(want.items()):
+            if wid in pool.by_id:
+                continue
+            try:
+                w = pool.add(WorkerSpec(url=s["url"], role=s["role"], bootstrap_port=s.get("bootstrap_port"),
+                                        engine=s.get("engine", "sglang")), wid)
+            except (ValueError, KeyError, TypeError) as exc:
+                log.warning("could not route to the store's worker %s (%s): %s", wid, s.get("url"), exc)
+                continue
+            if self.health_tasks or self.tasks:  # started: watched from now on
+                self.start_health(w.id)
+
+    # ---- heartbeats ----------------------------------------------------------------------------------
+    def beat(self) -> Beat:
+        gw = self.gw
+        rids: dict[str, tuple[str, ...]] = {}
+        tenants: dict[str, int] = {}
+        for ctx in gw.live.values():
+            a = ctx.rec.attempt
+            if a is not None:
+                rids[a.rid] = (a.prefill, a.decode)
+            if ctx.holds and ctx.tenant is not None:
+                tenants[ctx.tenant.name] = tenants.get(ctx.tenant.name, 0) + 1
+        info = {**self.reachable, "state": "draining" if self.draining else "live", "pid": os.getpid(),
+                "host": socket.gethostname()}
+        return Beat(info, rids, {w.id: len(w.bound) for w in gw.pool.by_id.values()}, tenants)
+
+    async def beats(self) -> None:
+        """This instance's heartbeat: its registry entry and what it holds, whole; what the others hold on each
+        worker back. Faster while requests wait on slots the others hold."""
+        gw = self.gw
+        while True:
+            try:
+                others = await self.store.heartbeat(self.beat())
+                for w in gw.pool.by_id.values():
+                    if others is None:  # the store unreachable: each limit is divided among the instances last seen
+                        w.slots.others, w.slots.share = 0, getattr(self.store, "instances_seen", 1)
+                    else:
+                        w.slots.others, w.slots.share = others.get(w.id, 0), 1
+                gw.gate.pump()
+            except Exception:  # a heartbeat must survive anything
+                log.exception("heartbeat failed")
+            waiting = gw.gate.queue.n and any(w.slots.others for w in gw.pool.by_id.values())
+            await asyncio.sleep(QUEUED_BEAT_S if waiting else self.cfg.store.heartbeat_s)
 
     async def stop(self) -> None:
-        if self.rec_task is not None:
-            self.rec_task.cancel()
+        for t in self.tasks:
+            t.cancel()
         for t in self.health_tasks.values():
             t.cancel()
         await self.gw.stop()
+        if self.gw.metrics.shared is not None:
+            self.gw.metrics.shared.flush()  # what it counted to the end stays in the group's sums
+            self.gw.metrics.shared.close()
+        await self.store.close()
+
+
+def reachable_url(host: str, port: int) -> str:
+    """How another instance reaches a listener bound to ``host:port`` (a wildcard: by this host's name)."""
+    name = host.strip("[]")
+    if name in ("", "0.0.0.0", "::"):
+        name = socket.gethostname()
+    return f"http://{'[' + name + ']' if ':' in name else name}:{port}"
+

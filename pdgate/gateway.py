@@ -27,6 +27,7 @@ from pdgate.proxy import Pipeline
 from pdgate.rid import Ids
 from pdgate.routing import Routing
 from pdgate.scope import Tasks
+from pdgate.store import kinds as store_kinds
 from pdgate.traces import Traces
 from pdgate.upstream import Upstream
 from pdgate.workers import Pool, State, Worker
@@ -51,18 +52,21 @@ class Gateway:
         self.otel = otel.make(cfg.otel)  # None: no OpenTelemetry
         self.obs = Observers(self.metrics, self.traces, self.otel, cfg.access_log, cfg.log_format, self.recent)
         pname, dname = policy_names(cfg)
-        self.routing = Routing(self.pool, policies.make(pname, cfg.routing), policies.make(dname, cfg.routing))
-        self.gate = Gate(cfg.admission, self.routing, self.metrics, self.clock)  # pairs with room, or the queue
+        self.store = store_kinds.make(cfg.store)  # what several gateway processes share (or this one alone)
+        self.routing = Routing(self.pool, policies.make(pname, cfg.routing, self.store.shared),
+                               policies.make(dname, cfg.routing, self.store.shared))
+        self.gate = Gate(cfg.admission, self.routing, self.store, self.metrics, self.clock)  # pairs with room, or the queue
         self.obs.watch(self.gate.on_transition)
         self.tasks = Tasks()
         self.health = Health(cfg.health, self.pool, self.gate.pump, self.clock)
-        self.tenants = auth.tenants(cfg.keys, cfg.deadlines, self.clock)  # None: an open front door
+        self.tenants = auth.tenants(cfg.keys, cfg.deadlines)  # None: an open front door
         self.admins = auth.admins(cfg.admin_keys)  # None: an open admin plane (loopback only)
         aborts = Aborts(cfg, self.obs, self.tasks, self.clock)
         attempts = Attempts(cfg, self.gate, self.routing, self.upstream, self.obs, aborts, self.tasks,
                             self.health.kick, self.clock)
         self.pipeline = Pipeline(Admission(cfg, self.pool, Ids(self.instance), self.clock), attempts,
-                                 Outcomes(self.obs, self.clock), self.obs, cfg.routing.session_header, self.clock)
+                                 Outcomes(self.obs, self.store, self.clock), self.obs, cfg.routing.session_header,
+                                 self.clock)
         self.live = self.pipeline.live
         self.metrics.queue_depth = lambda: self.gate.queue.n
         self.metrics.models = self.pool.models

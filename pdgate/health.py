@@ -65,7 +65,7 @@ class Health:
             w.identity = p.identity
         self.pool.set_info(w, p)
         w.slots.engine = p.capacity
-        w.slots.foreign = max(0, p.running - len(w.bound)) if p.running is not None else 0
+        w.slots.foreign = max(0, p.running - len(w.bound) - w.slots.others) if p.running is not None else 0
         w.checks.failures, w.checks.last_error = 0, None
         now = self.clock()
         if restarted:

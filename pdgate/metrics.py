@@ -6,12 +6,16 @@ explicit hooks (aborts, retries, deadlines); worker gauges are read at scrape ti
 
 from __future__ import annotations
 
+import os
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.mmap_dict import MmapedDict, mmap_key
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
 from prometheus_client.registry import Collector
 
 from pdgate.record import LIVE, Phase, Record, phase_label
@@ -57,9 +61,78 @@ def hist_family(name: str, doc: str, labels: list[str], hists: dict[tuple[str, .
     return fam
 
 
+# In a group of processes on one host (``pdgate serve --workers N``) each process writes its series into
+# prometheus-client's multiprocess files (its own, by pid) and any process's /metrics merges the directory with the
+# library's MultiProcessCollector: counters and histograms summed; these gauges summed or their maximum taken, every
+# other gauge kept per process (a ``pid`` label: a worker's state is each process's view, not a sum).
+GAUGE_MODES = {"pdgate_live_requests": "livesum", "pdgate_queue_depth": "livesum", "pdgate_tenant_live_requests": "livesum",
+               "pdgate_oldest_live_request_age_seconds": "livemax"}
+FLUSH_S = 1.0  # how often a process of a group writes its files (what another process's scrape shows is this old)
+
+
+class SharedFiles:
+    """This process's series in a multiprocess directory: written whole at each ``flush``, off the request path
+    (the request path keeps plain counts: ``Hist``)."""
+
+    def __init__(self, directory: Path, registry: CollectorRegistry) -> None:
+        self.dir, self.registry, self.pid = directory, registry, os.getpid()
+        self.files: dict[str, MmapedDict] = {}
+        self.keys: dict[tuple[str, str, tuple[tuple[str, str], ...]], str] = {}
+
+    def _file(self, typ: str) -> MmapedDict:
+        f = self.files.get(typ)
+        if f is None:
+            f = self.files[typ] = MmapedDict(str(self.dir / f"{typ}_{self.pid}.db"))  # type: ignore[no-untyped-call]
+        return f
+
+    def _key(self, metric: Metric, sample: str, labels: dict[str, str]) -> str:
+        k = (metric.name, sample, tuple(labels.items()))
+        key = self.keys.get(k)
+        if key is None:
+            key = self.keys[k] = mmap_key(metric.name, sample, list(labels), list(labels.values()), metric.documentation)
+        return key
+
+    def flush(self) -> None:
+        for typ, key, value in self._values():
+            self._file(typ).write_value(key, value, 0.0)  # type: ignore[no-untyped-call]
+
+    def _values(self) -> Iterator[tuple[str, str, float]]:
+        for m in self.registry.collect():
+            if m.type in ("counter", "gauge"):
+                typ = "counter" if m.type == "counter" else "gauge_" + GAUGE_MODES.get(m.name, "liveall")
+                for smp in m.samples:
+                    yield typ, self._key(m, smp.name, smp.labels), smp.value
+            elif m.type == "histogram":  # the files hold each bucket's own count (the collector accumulates)
+                below: dict[tuple[tuple[str, str], ...], float] = {}
+                for smp in m.samples:
+                    if smp.name.endswith("_bucket"):
+                        rest = tuple((k, v) for k, v in smp.labels.items() if k != "le")
+                        yield "histogram", self._key(m, smp.name, smp.labels), smp.value - below.get(rest, 0.0)
+                        below[rest] = smp.value
+                    elif smp.name.endswith("_sum"):
+                        yield "histogram", self._key(m, smp.name, smp.labels), smp.value
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()  # type: ignore[no-untyped-call]
+        self.files.clear()
+
+    def render(self) -> bytes:
+        self.flush()
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=str(self.dir))  # type: ignore[no-untyped-call]
+        return generate_latest(merged)
+
+
+def process_gone(directory: Path, pid: int) -> None:
+    """A group's process exited: its live gauges go (its counters stay in the sums, as counters do)."""
+    mark_process_dead(pid, str(directory))  # type: ignore[no-untyped-call]
+
+
 class Metrics:
     def __init__(self, live_phases: Callable[[], dict[Phase, int]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.shared: SharedFiles | None = None  # set in a process of a group (``share``)
         r = self.registry
         # per-request series: plain counts, rendered at scrape time (see Hist)
         self.finished: dict[tuple[str, str], int] = {}  # (route, outcome) -> count
@@ -208,8 +281,13 @@ class Metrics:
 
         self.registry.register(_C())
 
+    def share(self, directory: Path) -> None:
+        """Write this process's series into the group's multiprocess directory; render the merge."""
+        directory.mkdir(mode=0o700, exist_ok=True)
+        self.shared = SharedFiles(directory, self.registry)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) if self.shared is None else self.shared.render()
 
 
 def worker_families(workers: list[Any], now: float, oldest_age: float, stale_retries: int = 0) -> Iterator[Metric]:

@@ -1,35 +1,31 @@
-"""``pdgate serve --workers N``: N gateway processes on one port, one supervisor, one admin plane.
+"""``pdgate serve --workers N``: N gateway processes on one port, one supervisor, one store.
 
-One Python process relays on one core. With ``--workers N`` the command becomes a **supervisor**
-that starts N gateway processes (``python -m pdgate serve ...`` with the same flags). Each one:
+One Python process relays on one core. With ``--workers N`` the command becomes a **supervisor** that starts N
+gateway processes (``python -m pdgate serve ...`` with the same flags). Each one:
 
-- listens on the front door's and the admin plane's ports with ``SO_REUSEPORT``: the kernel
-  spreads new connections over them (uvicorn's and nginx's way, without a shared accept queue);
-- has an instance id of its own (``<gateway.instance_id or random>`` + its own random part), so
-  rids stay unique and reconciliation tells the processes apart (``pdgate.reconcile``): a
-  sibling's rids are never orphans while the sibling's record file is there, and a dead
-  process's rids lapse after ``lease_s`` and are aborted by the others;
-- answers private listeners on ``127.0.0.1`` (an ephemeral port per plane, with the plane's own
-  keys and middleware) and writes them to its **record file** ``<dir>/<index>.json`` in the
-  supervisor's private directory (mode 0700);
-- and, for an admin-plane call (or a client's own requests on the front door), asks its siblings
-  through their private listeners, forwarding the caller's key, and merges the answers
-  (``pdgate.siblings``): live requests, traces, workers, the dashboard and ``/metrics`` answer
-  for all processes whichever one the kernel picked; a change (``POST``/``DELETE /v1/workers``)
-  is applied by every process.
+- listens on the front door's and the admin plane's ports with ``SO_REUSEPORT``: the kernel spreads new
+  connections over them (uvicorn's and nginx's way, without a shared accept queue);
+- has an instance id of its own (``<gateway.instance_id or random>`` + its own random part), so rids stay
+  unique and reconciliation tells the processes apart;
+- shares what they must agree on through the store (``pdgate.store``): limits, what each holds on each worker,
+  the registry and the worker set. With no ``[store] url``, the supervisor runs a ``redis-server`` of its own
+  on a Unix socket in its private directory (mode 0700; Debian's ``redis-server`` package), restarted if it
+  dies (the processes' heartbeats fill it again);
+- answers private listeners on ``127.0.0.1`` (an ephemeral port per plane, with the plane's own keys and
+  middleware), named in its registry entry: any admin plane answers for all (``pdgate.peers``).
 
-The supervisor restarts a process that dies (backoff 0.5 s doubling to 10 s, reset after 30 s of
-life) or stops answering (``/health`` on its private listener missed three times in a row: killed, then
-restarted), and on SIGTERM/SIGINT stops them all (each drains as a single gateway does, then SIGKILL
-after ``drain_s`` + 10 s). A process whose supervisor is gone stops itself.
-
-Limits and admission (``max_concurrent``, rate limits, per-worker capacity) are per process.
+The supervisor restarts a process that dies (backoff 0.5 s doubling to 10 s, reset after 30 s of life) or stops
+answering (``/health`` on its private listener missed three times in a row: killed, then restarted), and on
+SIGTERM/SIGINT stops them all (each drains as a single gateway does, then SIGKILL after ``drain_s`` + 10 s). A
+process whose supervisor is gone stops itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -48,10 +44,13 @@ import orjson
 
 from h1lite.client import Client
 from h1lite.server import Request, Response, Router, Server, json_response
-from pdgate.config import ConfigError, GatewayConfig
+from pdgate.config import ConfigError, GatewayConfig, StoreConfig
+from pdgate.metrics import process_gone
 
 log = logging.getLogger("pdgate.multi")
 ENV_DIR, ENV_INDEX, ENV_SUPERVISOR = "PDGATE_PROCESS_DIR", "PDGATE_PROCESS_INDEX", "PDGATE_SUPERVISOR_PID"
+METRICS_DIR = "metrics"  # under the group's directory: the processes' prometheus-client multiprocess files
+ENV_STORE = "PDGATE_STORE_URL"  # the store's URL (in the environment: a password in it stays out of ps)
 BACKOFF_S = (0.5, 10.0)  # first wait before a restart, and the most
 STABLE_S = 30.0  # a process that lived this long restarts at the first backoff again
 LIVE_S, LIVE_MISSES = 3.0, 3  # a process that does not answer /health within LIVE_S this many times is killed
@@ -64,7 +63,7 @@ def default_workers() -> int:
 
 @dataclass
 class Group:
-    """In a gateway process started by the supervisor: where its record file and its siblings' are."""
+    """In a gateway process started by the supervisor: its place, and the supervisor's private directory."""
 
     dir: Path
     index: int
@@ -76,39 +75,6 @@ class Group:
         if not d or i is None or not i.isdigit():
             return None
         return cls(Path(d), int(i), int(sup) if sup.isdigit() else 0)
-
-    @property
-    def path(self) -> Path:
-        return self.dir / f"{self.index}.json"
-
-    def announce(self, info: dict[str, Any]) -> None:
-        """Write this process's record file (atomically: a reader never sees half of it)."""
-        tmp = self.dir / f".{self.index}.{os.getpid()}.tmp"
-        try:
-            tmp.write_text(json.dumps({**info, "index": self.index, "pid": os.getpid()}))
-            os.replace(tmp, self.path)
-        except OSError as exc:  # the directory is gone (its supervisor died): nobody reads it any more
-            log.warning("cannot write the record file %s: %s", self.path, exc)
-
-    def withdraw(self) -> None:
-        with contextlib.suppress(OSError):
-            if json.loads(self.path.read_text()).get("pid") == os.getpid():
-                self.path.unlink()
-
-    def members(self) -> list[dict[str, Any]]:
-        """Every process's record whose process is alive (this one's included)."""
-        out = []
-        for p in sorted(self.dir.glob("*.json")):
-            try:
-                info = json.loads(p.read_text())
-                os.kill(int(info["pid"]), 0)
-            except (OSError, ValueError, KeyError, TypeError):
-                continue
-            out.append(info)
-        return out
-
-    def siblings(self) -> list[dict[str, Any]]:
-        return [m for m in self.members() if m.get("pid") != os.getpid()]
 
 
 SUPERVISOR_FILE = "supervisor.json"
@@ -220,30 +186,64 @@ class GatewayProcess:
 
 
 class ProcessGroup:
-    """Starts ``n`` gateway processes with ``argv`` (``pdgate serve`` flags), restarts the ones that die."""
+    """Starts ``n`` gateway processes with ``argv`` (``pdgate serve`` flags), restarts the ones that die; runs the
+    store they share unless one is configured (``store.url``)."""
 
-    def __init__(self, argv: list[str], n: int, drain_s: float, supervised: Any = None) -> None:
+    def __init__(self, argv: list[str], n: int, drain_s: float, supervised: Any = None,
+                 store: StoreConfig | None = None) -> None:
         self.argv, self.n, self.drain_s = argv, n, drain_s
-        self.dir = Path(tempfile.mkdtemp(prefix="pdgate-procs-"))  # 0700: only this user reads the records
+        self.dir = Path(tempfile.mkdtemp(prefix="pdgate-procs-"))  # 0700: only this user reads what is in it
         self.children = [GatewayProcess(i) for i in range(n)]
         self.stopping = False
         self.up = asyncio.Event()  # every process is up (set by run)
         self.server = SupervisorServer(supervised, self.dir) if supervised is not None else None
+        self.store = store or StoreConfig()
+        self.redis: asyncio.subprocess.Process | None = None  # the store this supervisor runs, if any
 
     async def spawn(self, c: GatewayProcess) -> None:
-        env = {**os.environ, ENV_DIR: str(self.dir), ENV_INDEX: str(c.index), ENV_SUPERVISOR: str(os.getpid())}
+        env = {**os.environ, ENV_DIR: str(self.dir), ENV_INDEX: str(c.index), ENV_SUPERVISOR: str(os.getpid()),
+               ENV_STORE: self.store.url}
         c.proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "pdgate", *self.argv, env=env)
         c.started = time.monotonic()
         log.info("gateway process %d started (pid %d)", c.index, c.proc.pid)
+
+    async def start_store(self) -> None:
+        """A redis-server of the group's own, on a Unix socket only this user can open, nothing on disk."""
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise ConfigError("--workers", self.n, "the processes share their state through Redis: install "
+                              "Debian's redis-server package (apt-get install redis-server), or set [store] url")
+        sock = self.dir / "redis.sock"
+        self.redis = await asyncio.create_subprocess_exec(
+            exe, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", "", "--appendonly",
+            "no", "--daemonize", "no", "--loglevel", "warning", stdin=asyncio.subprocess.DEVNULL,
+            preexec_fn=die_with_parent)
+        self.store = dataclasses.replace(self.store, url=f"unix:{sock}")
+        for _ in range(100):
+            if await registered(self.store) is not None:
+                return
+            await asyncio.sleep(0.05)
+        raise ConfigError("--workers", self.n, f"the group's redis-server did not answer on {sock}")
+
+    async def watch_store(self) -> None:
+        while not self.stopping and self.redis is not None:
+            rc = await self.redis.wait()
+            if self.stopping:
+                return
+            log.warning("the group's redis-server exited with %s: started again (the processes fill it again)", rc)
+            with contextlib.suppress(OSError):
+                (self.dir / "redis.sock").unlink()
+            await asyncio.sleep(0.5)
+            with contextlib.suppress(ConfigError):
+                await self.start_store()
 
     async def watch(self, c: GatewayProcess) -> None:
         while not self.stopping:
             assert c.proc is not None
             rc = await c.proc.wait()
+            process_gone(self.dir / METRICS_DIR, c.proc.pid)
             if self.stopping:
                 return
-            with contextlib.suppress(OSError):
-                (self.dir / f"{c.index}.json").unlink()
             lived = time.monotonic() - c.started
             if lived >= STABLE_S:
                 c.backoff = BACKOFF_S[0]
@@ -271,31 +271,43 @@ class ProcessGroup:
         except (OSError, ValueError):  # TimeoutError is an OSError
             return False
 
+    async def members(self) -> list[dict[str, Any]]:
+        """The registry entries of this group's live processes."""
+        pids = {c.proc.pid for c in self.children if c.proc is not None and c.proc.returncode is None}
+        return [m for m in (await registered(self.store) or {}).values() if m.get("pid") in pids]
+
     async def liveness(self, every_s: float = 2.0) -> None:
         """A process that stops answering (frozen, wedged, its loop stuck) is killed, and so restarted: a process
-        that merely exists would keep taking its share of the connections and answer none."""
+        that merely exists would keep taking its share of the connections and answer none. Where a process is
+        reached is remembered from its registry entry (a frozen one's entry expires)."""
         misses: dict[int, int] = {}
+        fronts: dict[int, str] = {}
         while not self.stopping:
             await asyncio.sleep(every_s)
-            for m in Group(self.dir, -1).members():
-                c = next((c for c in self.children if c.proc is not None and c.proc.pid == m.get("pid")), None)
-                if c is None or m.get("draining") or not m.get("front"):
+            draining = set()
+            for m in await self.members():
+                if m.get("front"):
+                    fronts[int(m["pid"])] = str(m["front"])
+                if m.get("state") == "draining":
+                    draining.add(int(m["pid"]))
+            for c in self.children:
+                pid = c.proc.pid if c.proc is not None and c.proc.returncode is None else None
+                if pid is None or pid not in fronts or pid in draining:
                     continue
-                pid = int(m["pid"])
-                misses[pid] = 0 if await self.alive(str(m["front"])) else misses.get(pid, 0) + 1
+                misses[pid] = 0 if await self.alive(fronts[pid]) else misses.get(pid, 0) + 1
                 if misses[pid] >= LIVE_MISSES and not self.stopping:
                     log.warning("gateway process %d (pid %d) did not answer /health %d times in a row: killed",
                                 c.index, pid, LIVE_MISSES)
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
                     misses.pop(pid, None)
+                    fronts.pop(pid, None)
 
     async def ready(self, timeout_s: float = 60.0) -> bool:
-        """Whether every process announced itself (it listens) within ``timeout_s``."""
+        """Whether every process is up (its registry entry is in the store) within ``timeout_s``."""
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
-            # every process wrote its record (one that died since is restarted once the watchers run)
-            if len(list(self.dir.glob("[0-9]*.json"))) >= self.n:
+            if len(await self.members()) >= self.n:
                 return True
             if any(c.proc is not None and c.proc.returncode is not None for c in self.children):
                 return False  # one died before all were up: its start fails (its own log says why)
@@ -317,6 +329,10 @@ class ProcessGroup:
                         p.kill()
             for t in pending:
                 await t
+        if self.redis is not None and self.redis.returncode is None:
+            self.redis.terminate()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.redis.wait(), 5)
         shutil.rmtree(self.dir, ignore_errors=True)
 
     async def run(self, stop: asyncio.Event | None = None, check_ready: bool = False) -> int:
@@ -331,13 +347,16 @@ class ProcessGroup:
         try:
             if self.server is not None:
                 await self.server.start()
+            if not self.store.url:
+                await self.start_store()
+                watchers.append(asyncio.create_task(self.watch_store()))
             for c in self.children:
                 await self.spawn(c)
             if check_ready and not await self.ready():
                 log.error("a gateway process exited before all %d were up: stopping", self.n)
                 return 1
             self.up.set()
-            watchers = [asyncio.create_task(self.watch(c)) for c in self.children]
+            watchers += [asyncio.create_task(self.watch(c)) for c in self.children]
             watchers.append(asyncio.create_task(self.liveness()))
             await stop.wait()
             return 0
@@ -348,6 +367,14 @@ class ProcessGroup:
             for t in watchers:
                 t.cancel()
             await asyncio.gather(*watchers, return_exceptions=True)
+
+
+def die_with_parent() -> None:
+    """In a child before it runs its program: SIGTERM when the supervisor dies, even by SIGKILL (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing: the store then outlives a killed supervisor)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def port_free(host: str, port: int) -> bool:
@@ -395,14 +422,26 @@ def without_workers_flag(argv: list[str]) -> list[str]:
     return out
 
 
-def run(argv: list[str], n: int, drain_s: float) -> int:
-    return asyncio.run(ProcessGroup(without_workers_flag(argv), n, drain_s).run(check_ready=True))
+def run(argv: list[str], n: int, cfg: GatewayConfig) -> int:
+    group = ProcessGroup(without_workers_flag(argv), n, cfg.drain_s, store=cfg.store)
+    try:
+        return asyncio.run(group.run(check_ready=True))
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return 1
+
+
+async def registered(store: StoreConfig) -> dict[str, dict[str, Any]] | None:
+    """The live instances' registry entries in the store (None: it does not answer)."""
+    from pdgate.store.redis import registry  # the redis client, only where a group runs
+
+    return await registry(store)
 
 
 async def orphaned(group: Group, stop: asyncio.Event, every_s: float = 1.0) -> None:
     """In a gateway process: set ``stop`` once its supervisor is gone (its parent is no longer the pid the
     supervisor gave: also right when it died before this process got this far). The first process to see it
-    removes the group's directory (the records, the supervisor's token)."""
+    removes the group's directory (the store's socket, the supervisor's token)."""
     parent = group.supervisor or os.getppid()
     while not stop.is_set():
         if os.getppid() != parent:

@@ -18,6 +18,7 @@ from pdgate.scope import Cause, Reason
 if TYPE_CHECKING:
     from pdgate.context import Ctx
     from pdgate.observe import Observers
+    from pdgate.store.base import Store
 
 
 def deadline_error(rec: Record, budget: str) -> DeadlineExceeded:
@@ -49,8 +50,8 @@ def from_reason(rec: Record, reason: Reason) -> tuple[Phase, GatewayError | None
 
 
 class Outcomes:
-    def __init__(self, obs: Observers, clock: Callable[[], float]) -> None:
-        self.obs, self.clock = obs, clock
+    def __init__(self, obs: Observers, store: Store, clock: Callable[[], float]) -> None:
+        self.obs, self.store, self.clock = obs, store, clock
 
     def conclude(self, ctx: Ctx, reason: Reason | None, exc: GatewayError | None, body: bytes = b"") -> Response | Stream:
         """End the request: the outcome on the record, and what the client gets (an error event on a started
@@ -86,8 +87,11 @@ class Outcomes:
         now = self.clock()
         self.obs.move(rec, outcome, now, reason)
         tenant = ctx.tenant
-        if tenant is not None and rec.estimate:  # the estimate charged at admission, settled
-            used = ((rec.prompt_tokens if rec.prompt_tokens is not None else rec.prompt_estimate)
-                    + (rec.completion_tokens if rec.completion_tokens is not None else rec.chunks))
-            tenant.charge(used - rec.estimate, now)
+        if tenant is not None and ctx.holds:  # its live request given back, its tokens settled
+            self.store.release(tenant.name, (), now)
+            tpm = tenant.key.tokens_per_min
+            if tpm:
+                used = ((rec.prompt_tokens if rec.prompt_tokens is not None else rec.prompt_estimate)
+                        + (rec.completion_tokens if rec.completion_tokens is not None else rec.chunks))
+                self.store.charge(tenant.name, tpm, used - rec.estimate, now)
         self.obs.finished(ctx, now)

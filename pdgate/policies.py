@@ -7,13 +7,19 @@ ended), ``forget`` (the worker was removed, went down or restarted: whatever it 
 
 - ``round_robin``, ``least_loaded``, ``power_of_two``: by load alone (``by_load``).
 - ``session``: a session (``x-session-id``, or OpenAI's ``user``) stays on the worker it was sent to, and
-  moves, with a note in the trace, when that worker is unavailable or over the balance thresholds.
+  moves, with a note in the trace, when that worker is unavailable or over the balance thresholds. Where several
+  gateway processes serve (a shared store), a map of one process's could not say where another sent the session:
+  there a session's worker is the first of its **rendezvous order** (highest random weight of (session, worker
+  id): the same order in every process, and a worker's arrival or departure moves only its own sessions) that is
+  available and not over the balance thresholds (bounded load).
 - ``cache_aware``: the worker that was sent the longest prefix of this request's text (``PrefixIndex``, an
   approximate prefix tree per worker, bounded); when none holds enough of it, the worker holding least; when
   loads are out of balance, the least loaded. SGLang router's policy of that name, same thresholds, and one
   more: a held prefix of ``cache_min_chars`` or more is enough whatever its share of the prompt (an agent's
   round often adds more tool output than the history it resends; by share alone that session would move
-  and recompute its whole history).
+  and recompute its whole history). Where several processes serve, a request of a session goes by the
+  session's rendezvous order instead (another process's index holds the session's earlier rounds, this one's
+  does not).
 
 Add one by writing a ``select`` and registering it in ``POLICIES``.
 """
@@ -236,14 +242,38 @@ def imbalanced(load: int, low: int, cfg: RoutingConfig) -> bool:
     return load - low > cfg.balance_abs and load > low * cfg.balance_rel
 
 
+def rendezvous(key: str, workers: Sequence[Candidate]) -> list[int]:
+    """The indices of ``workers`` in ``key``'s rendezvous order: by a hash of (key, worker id), highest first."""
+    weight = [hashlib.blake2b(f"{key}\0{w.id}".encode(), digest_size=8).digest() for w in workers]
+    return sorted(range(len(workers)), key=weight.__getitem__, reverse=True)
+
+
+def placed(key: str, workers: Sequence[Candidate], cfg: RoutingConfig) -> tuple[int, str | None]:
+    """The first worker of ``key``'s rendezvous order that is not over the balance thresholds, and a note when
+    that is not the first one."""
+    loads = [w.load for w in workers]
+    low = min(loads)
+    order = rendezvous(key, workers)
+    for i in order:
+        if not imbalanced(loads[i], low, cfg):
+            break
+    if i == order[0]:
+        return i, None
+    first = workers[order[0]]
+    return i, (f"session placed on {workers[i].id}, not {first.id}: {first.id} over the balance thresholds "
+               f"(load {loads[order[0]]}, least {low})")
+
+
 class Session(Policy):
     """Sticky by session key (module docstring). Requests without one go to the least loaded. The map keeps the
-    ``max_sessions`` most recently used sessions."""
+    ``max_sessions`` most recently used sessions; with ``shared`` (several processes), the rendezvous order
+    places every request of a session instead."""
 
     name = "session"
 
-    def __init__(self, cfg: RoutingConfig | None = None) -> None:
+    def __init__(self, cfg: RoutingConfig | None = None, shared: bool = False) -> None:
         self.cfg = cfg or RoutingConfig()
+        self.shared = shared
         self.sticky: OrderedDict[str, tuple[str, int]] = OrderedDict()  # session -> (worker id, its epoch then)
         self.epochs: dict[str, int] = {}  # worker id -> times it lost its cache (went down, restarted)
         self._fallback = LeastLoaded()
@@ -257,6 +287,10 @@ class Session(Policy):
         if key is None:
             self.decided(req, "none")
             return self._fallback.by_load(loads)
+        if self.shared:
+            at, note = placed(key, workers, self.cfg)
+            self.decided(req, "sticky" if note is None else "moved", note)
+            return at
         was, epoch = self.sticky.get(key, (None, 0))
         if was is None:
             self.decided(req, "new")
@@ -282,7 +316,7 @@ class Session(Policy):
     def dispatched(self, worker: str, req: RequestView) -> None:
         self.settle(req)
         key = req.session
-        if key is None:
+        if key is None or self.shared:
             return
         self.sticky[key] = (worker, self.epochs.get(worker, 0))
         self.sticky.move_to_end(key)
@@ -348,10 +382,11 @@ class CacheAware(Policy):
 
     name = "cache_aware"
 
-    def __init__(self, cfg: RoutingConfig | None = None) -> None:
+    def __init__(self, cfg: RoutingConfig | None = None, shared: bool = False) -> None:
         self.cfg = cfg or RoutingConfig()
+        self.shared = shared
         self.index = PrefixIndex(self.cfg.block_chars, self.cfg.max_blocks)
-        self.decisions = {"cache": 0, "new": 0, "balance": 0, "only": 0}
+        self.decisions = {"cache": 0, "new": 0, "balance": 0, "only": 0, "session": 0}
 
     def prefix(self, req: RequestView) -> list[int]:
         if req.prefix is None:
@@ -371,6 +406,10 @@ class CacheAware(Policy):
             self.decided(req, "balance",
                          f"cache_aware: loads out of balance ({max(loads)} vs {low}); least loaded {workers[i].id}")
             return i
+        if self.shared and req.session is not None:
+            i, note = placed(req.session, workers, self.cfg)
+            self.decided(req, "session", note)
+            return i
         hs = self.prefix(req)
         matches = [self.index.match(w.id, hs) for w in workers]
         best = max(matches)
@@ -382,13 +421,14 @@ class CacheAware(Policy):
 
     def dispatched(self, worker: str, req: RequestView) -> None:
         self.settle(req)
-        self.index.insert(worker, self.prefix(req))
+        if not (self.shared and req.session is not None):
+            self.index.insert(worker, self.prefix(req))
 
     def forget(self, worker: str) -> None:
         self.index.forget(worker)
 
 
-POLICIES: dict[str, Callable[[RoutingConfig], Policy]] = {
+POLICIES: dict[str, Callable[..., Policy]] = {
     RoundRobin.name: RoundRobin,
     LeastLoaded.name: LeastLoaded,
     PowerOfTwo.name: PowerOfTwo,
@@ -398,8 +438,11 @@ POLICIES: dict[str, Callable[[RoutingConfig], Policy]] = {
 REQUEST_AWARE = frozenset({Session.name, CacheAware.name})  # for the prefill choice; decode stays load-based
 
 
-def make(name: str, cfg: RoutingConfig | None = None) -> Policy:
-    return POLICIES[name](cfg or RoutingConfig())
+def make(name: str, cfg: RoutingConfig | None = None, shared: bool = False) -> Policy:
+    """Policy ``name``; ``shared``: several gateway processes route (the request-aware ones place sessions by
+    rendezvous order)."""
+    cfg = cfg or RoutingConfig()
+    return POLICIES[name](cfg, shared) if name in REQUEST_AWARE else POLICIES[name](cfg)
 
 
 def select_pair(prefills: Sequence[W], decodes: Sequence[W], prefill_policy: Policy, decode_policy: Policy,

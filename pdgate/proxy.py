@@ -42,10 +42,11 @@ class Pipeline:
     def handle(self, request: Request, route: str) -> Awaitable[Response | Stream]:
         """Admit the request (a refusal raises here) and return its life to be awaited (no frame of its own)."""
         tenant = request.state if isinstance(request.state, Tenant) else None
-        rec, body = self.admission.admit(request, route, tenant)
+        rec, body, ask = self.admission.admit(request, route, tenant)
         view = RequestView(route, rec.model, body, session_key(rec.tenant, request.headers.get(self.session_header),
                                                                body))
         ctx = Ctx(request, rec, route, body, view, tenant, self.clock)
+        ctx.ask = ask
         self.obs.admitted(ctx)
         return self.serve(ctx)
 

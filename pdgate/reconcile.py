@@ -3,22 +3,19 @@
 Every rid pdgate issues names the gateway instance that owns it (``pdgate.rid``). Each ``reconcile.interval_s``,
 per worker, through its engine adapter:
 
-- **exact mode** (the engine lists the rids it holds: ``Engine.held``): a rid older than
-  ``grace_s`` is an *orphan* when its owner is this instance and it is not the current
-  attempt of a live request (finished, retried away, or its abort was lost), or when its
-  owner is another instance whose lease has lapsed. Orphans are aborted by rid.
+- **exact mode** (the engine lists the rids it holds: ``Engine.held``): a rid older than ``grace_s`` is an
+  *orphan* when its instance is this one and it is not the current attempt of a live request (finished,
+  retried away, or its abort was lost), or when its instance is gone: it was in the store's registry and its
+  entry expired (``pdgate.store``). Nothing else makes an instance gone: with the embedded store (one process)
+  another gateway's rids are never touched, an instance the store never knew is not this store's to judge, and
+  while the store cannot be reached nobody is gone. Orphans are aborted by rid.
 - **count mode** (an engine that lists nothing, as plain SGLang): the engine's count of what it holds in the
-  queues of the worker's role (``Probe.held``, from the last health check) against our live count on it; an excess seen ``drift_checks`` times in a row is
-  drift: the aborts of the worker's recently ended rids are sent again, and drift is shown.
-  Count mode cannot tell our requests from others' and never aborts anything it cannot name.
+  queues of the worker's role (``Probe.held``, from the last health check) against what every live instance
+  holds on it (``Worker.load``: ours and the others' the store reports); an excess seen ``drift_checks`` times
+  in a row is drift: the aborts of the worker's recently ended rids are sent again, and drift is shown.
 
-Leases: a gateway's lease is its instance id served at ``GET /v1/lease``; each gateway reads
-its ``peers``' leases every pass. Another instance's rids are only touched once that
-instance has been seen neither as a peer's current lease nor in this process for ``lease_s``
-(a peer that restarted has a new instance id, so its old one lapses). A live gateway keeps
-answering with its instance id, so two gateways never abort each other's live requests. The
-processes of one ``pdgate serve --workers N`` know each other from their record files
-(``pdgate.multi``), and a peer that is such a group names all its instances in its lease.
+And each pass, with a shared store: the rids a gone instance held at its last heartbeat are aborted on their
+workers (one survivor claims each gone instance), in both modes: a killed replica leaves nothing pinned.
 """
 
 from __future__ import annotations
@@ -26,14 +23,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable
 
 from pdgate.config import GatewayConfig
 from pdgate.metrics import Metrics
 from pdgate.rid import Rid
+from pdgate.store.base import Store
 from pdgate.traces import Traces
-from pdgate.upstream import Upstream
 from pdgate.workers import Pool, Worker
 
 log = logging.getLogger("pdgate.reconcile")
@@ -41,47 +37,41 @@ log = logging.getLogger("pdgate.reconcile")
 
 class Reconciler:
     def __init__(self, cfg: GatewayConfig, instance: str, pool: Pool, traces: Traces, metrics: Metrics,
-                 recent: deque[tuple[str, str, float]], upstream: Upstream, clock: Callable[[], float]) -> None:
+                 recent: deque[tuple[str, str, float]], store: Store, clock: Callable[[], float]) -> None:
         self.gcfg, self.cfg = cfg, cfg.reconcile
         self.instance, self.pool, self.traces, self.metrics = instance, pool, traces, metrics
-        self.recent, self.upstream, self.clock = recent, upstream, clock
-        self.seen: dict[str, float] = {}  # instance id -> last time it was known alive
+        self.recent, self.store, self.clock = recent, store, clock
+        self.gone_now: set[str] = set()  # the gone instances at this pass (empty: the store cannot say)
         self.drift_runs: dict[str, int] = {}
         self.drift_since: dict[str, float] = {}
-        # the instance ids of this gateway's sibling processes (``pdgate.multi``: their record files)
-        self.siblings: Callable[[], Iterable[str]] = tuple
 
-    # ---- facts ------------------------------------------------------------------------
     def live_rids(self) -> set[str]:
         return {r.attempts[-1].rid for r in self.traces.live.values() if r.attempts}
 
-    async def refresh_leases(self) -> None:
-        now = self.clock()
-        self.seen[self.instance] = now
-        for inst in self.siblings():
-            self.seen[inst] = now
-        for peer in self.gcfg.peers:
-            try:
-                status, body = await self.upstream.get_json(peer.rstrip("/") + "/v1/lease", 2.0)
-            except OSError:
-                continue
-            if status == 200 and isinstance(body, dict) and isinstance(body.get("instance"), str):
-                self.seen[body["instance"]] = now
-                for inst in body.get("instances") or ():  # a peer of several processes names them all
-                    if isinstance(inst, str):
-                        self.seen[inst] = now
+    def gone(self, inst: str) -> bool:
+        """Whether another instance is gone: the store knew it and its entry expired (never a guess)."""
+        return inst != self.instance and inst in self.gone_now
 
-    def lapsed(self, inst: str) -> bool:
-        """Whether another instance's lease has lapsed; first sight of an instance starts its clock."""
-        if inst == self.instance:
-            return False
-        now = self.clock()
-        return now - self.seen.setdefault(inst, now) >= self.cfg.lease_s
-
-    # ---- one pass --------------------------------------------------------------------------
     async def run_once(self) -> None:
-        await self.refresh_leases()
+        self.gone_now = set(await self.store.gone()) if self.store.shared else set()
         await asyncio.gather(*(self.check(w) for w in list(self.pool.by_id.values()) if w.healthy))
+        if self.gone_now:
+            await self.reap()
+
+    async def reap(self) -> None:
+        """Abort what gone instances held (by rid, on the workers it was on), then forget them."""
+        for inst in sorted(self.gone_now - {self.instance}):
+            rids = await self.store.rids_of(inst)
+            if rids is None:  # another survivor claimed it
+                continue
+            for rid, wids in rids.items():
+                for wid in wids:
+                    w = self.pool.by_id.get(wid)
+                    if w is not None:
+                        await self.abort(w, rid, "gone")
+            if rids:
+                log.warning("gateway instance %s is gone: aborted its %d live requests on the engines", inst, len(rids))
+            await self.store.forget(inst)
 
     async def check(self, w: Worker) -> None:
         if w.info.lists_rids:
@@ -99,7 +89,7 @@ class Reconciler:
             rid = Rid.parse(h.rid)
             if rid is None or not rid.attempt or h.age_s < self.cfg.grace_s:
                 continue
-            if (rid.instance == self.instance and h.rid not in live) or self.lapsed(rid.instance):
+            if (rid.instance == self.instance and h.rid not in live) or self.gone(rid.instance):
                 orphans.append(h)
         w.orphans = len(orphans)
         self.metrics.orphans.labels(w.id).set(len(orphans))
@@ -130,7 +120,7 @@ class Reconciler:
         try:
             await w.engine.abort(w.url, rid)
             result = "ok"
-        except OSError:
+        except Exception:  # refused, reset, timed out: counted, the next pass tries again where it can
             result = "error"
         self.metrics.reconcile_aborts.labels(w.id, mode).inc()
         rec = self.traces.get(rid)
@@ -146,7 +136,3 @@ class Reconciler:
                 await self.run_once()
             except Exception:  # a reconciler must survive anything an engine answers
                 log.exception("reconcile pass failed")
-
-
-def lease(instance: str, lease_s: float) -> dict[str, Any]:
-    return {"instance": instance, "lease_s": lease_s}

@@ -1,7 +1,7 @@
 """The application: two planes, each a listener with its routes and its middleware chain; lifecycle.
 
 - The **front door** (``host:port``): the OpenAI and SGLang routes, ``/v1/models``, ``/health``, ``/readiness``,
-  ``/v1/lease`` (peers read it), and the request endpoints for a client key's own requests. With client keys
+  and the request endpoints for a client key's own requests. With client keys
   configured, every request but the probes needs one (``Authorization: Bearer``): 401 without, and the key's
   limits apply (429). Operator paths answer 401 without credentials and 403 with any.
 - The **admin plane** (``admin_host:admin_port`` or ``admin_socket``): workers, requests, cluster, metrics,
@@ -32,11 +32,11 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from h1lite.errors import HTTPError
 from h1lite.server import Request, Response, Router, Server, Stream, json_response
-from pdgate import access_log, admin, dashboard, multi, reconcile, siblings, validation
+from pdgate import access_log, admin, dashboard, multi, peers, validation
 from pdgate.auth import Admin, Tenant, bearer
 from pdgate.config import ConfigError, GatewayConfig, is_loopback
-from pdgate.control import Control, WorkerSupervisor
-from pdgate.errors import Forbidden, RateLimited, Unauthorized, one_line
+from pdgate.control import Control, WorkerSupervisor, reachable_url
+from pdgate.errors import Forbidden, Unauthorized, one_line
 from pdgate.gateway import Gateway
 
 log = logging.getLogger("pdgate.server")
@@ -65,10 +65,6 @@ async def readiness(ctl: Control, request: Request) -> Response:
     return json_response(body, 200 if ready else 503)
 
 
-async def lease(ctl: Control, request: Request) -> Response:
-    return json_response(reconcile.lease(ctl.gw.instance, ctl.cfg.reconcile.lease_s))
-
-
 async def metrics(ctl: Control, request: Request) -> Response:
     return Response(ctl.gw.metrics.render(), content_type=CONTENT_TYPE_LATEST)
 
@@ -85,7 +81,7 @@ async def operator_only(ctl: Control, request: Request) -> Response:
 Dispatch = Callable[[Request], Awaitable[Response | Stream]]
 Middleware = Callable[[Dispatch], Dispatch]
 GENERATION = frozenset((validation.CHAT, validation.COMPLETIONS, validation.GENERATE))
-PROBES = frozenset(("/health", "/readiness", "/v1/lease"))  # answered without a key (k8s probes, peers)
+PROBES = frozenset(("/health", "/readiness"))  # answered without a key (k8s probes)
 LOCAL = Admin("local")
 
 
@@ -113,7 +109,7 @@ def refused(app: App) -> Callable[[Request, HTTPError], None]:
 
 def client_keys(app: App) -> Middleware:
     """Front door with client keys: the key names the tenant (``request.state``), its limits apply to generation."""
-    keys, metrics, clock = app.gw.tenants, app.gw.metrics, app.gw.now
+    keys, metrics, clock, store = app.gw.tenants, app.gw.metrics, app.gw.now, app.gw.store
     assert keys is not None
     operator = app.operator_paths
 
@@ -128,24 +124,13 @@ def client_keys(app: App) -> Middleware:
                 metrics.reject("unknown", "unauthenticated")
                 raise Unauthorized("no API key given: send Authorization: Bearer <key>" if token is None else
                                    "invalid API key")  # the key itself is never echoed
-            request.state = tenant
-            if path not in GENERATION:
-                if path.startswith("/v1/requests"):  # reading its requests costs engine calls too: counted
-                    try:
-                        tenant.count(clock())
-                    except RateLimited as exc:
-                        metrics.reject(tenant.name, exc.limit)
-                        raise
-                return await nxt(request)
-            try:
-                tenant.admit(clock())
-            except RateLimited as exc:
-                metrics.reject(tenant.name, exc.limit)
-                raise
-            try:
-                return await nxt(request)
-            finally:
-                tenant.release()
+            request.state = tenant  # a generation request's limits are taken with its pair (Gate.pair_for)
+            if path.startswith("/v1/requests") and tenant.key.requests_per_min:  # reading its requests costs engine
+                grant = await store.acquire(tenant.ask(hold=False), (), clock())  # calls too: counted
+                if not grant.ok:
+                    metrics.reject(tenant.name, grant.limit or "")
+                    raise tenant.refused(grant.limit or "", grant.retry_after_s)
+            return await nxt(request)
 
         return run
 
@@ -205,7 +190,6 @@ FRONT: list[tuple[str, str, Any]] = [
     ("GET", "/v1/models", models),
     ("GET", "/health", liveness),
     ("GET", "/readiness", readiness),
-    ("GET", "/v1/lease", lease),
 ]
 
 
@@ -220,15 +204,15 @@ class App:
         self.cfg = cfg
         self.gw = gateway or Gateway(cfg)
         self.group = group
-        self.control = ctl = Control(self.gw, group, supervisor or multi.RemoteSupervisor.of(group))
+        self.control = ctl = Control(self.gw, supervisor or multi.RemoteSupervisor.of(group))
         ctl.own_urls = self.own_urls
-        self.siblings = siblings.Siblings(self.gw.instance, cfg.health.timeout_s, group) if group is not None else None
+        self.peers = peers.Peers(self.gw.store, self.gw.instance) if self.gw.store.shared else None
         self.router = front = Router()
         for route in GENERATION:
             front.add("POST", route, functools.partial(self.gw.pipeline.handle, route=route))
 
-        def on(plane: str, method: str, path: str, handler: Any) -> siblings.Handler:
-            return siblings.fanned(self.siblings, plane, method, path, functools.partial(handler, ctl))
+        def on(plane: str, method: str, path: str, handler: Any) -> peers.Handler:
+            return peers.fanned(self.peers, plane, method, path, functools.partial(handler, ctl))
 
         for method, path, handler in FRONT:
             front.add(method, path, on("front", method, path, handler))
@@ -255,19 +239,26 @@ class App:
                              on_error)
         admin_dispatch = chain(back.dispatch, admin_keys(self))
         self.admin = Server(admin_dispatch, 1 << 20, cfg.keepalive_s, cfg.head_timeout_s, cfg.body_timeout_s)
-        # a process of a group also answers its siblings, on loopback, with each plane's own keys and middleware
+        # a process of a group (its ports shared) is reached by the other instances here, on loopback, with each
+        # plane's own keys and middleware
         self.private = {"front": Server(dispatch, cfg.max_body_bytes, cfg.keepalive_s, cfg.head_timeout_s,
                                         cfg.body_timeout_s, on_error),
                         "admin": Server(admin_dispatch, 1 << 20, cfg.keepalive_s, cfg.head_timeout_s,
                                         cfg.body_timeout_s)} if group is not None else {}
         if self.gw.tenants is not None:
             self.gw.metrics.add_collector(self._tenant_gauges)
+        if group is not None:  # any process's /metrics answers for the group's processes (multiprocess files)
+            self.gw.metrics.share(group.dir / multi.METRICS_DIR)
 
     def _tenant_gauges(self) -> Iterator[Metric]:
-        live = GaugeMetricFamily("pdgate_tenant_live_requests", "Live requests by tenant (client key name)",
-                                 labels=["tenant"])
+        live = GaugeMetricFamily("pdgate_tenant_live_requests", "Live requests by tenant (client key name) holding "
+                                 "one of its max_concurrent", labels=["tenant"])
+        held: dict[str, int] = {}
+        for ctx in self.gw.live.values():
+            if ctx.holds and ctx.tenant is not None:
+                held[ctx.tenant.name] = held.get(ctx.tenant.name, 0) + 1
         for t in sorted(self.gw.tenants.values() if self.gw.tenants else (), key=lambda t: t.name):
-            live.add_metric([t.name], float(t.live))
+            live.add_metric([t.name], float(held.get(t.name, 0)))
         yield live
 
     async def listen(self, flag: str, where: object, starting: Awaitable[None]) -> None:
@@ -301,13 +292,16 @@ class App:
                 await self.listen("--admin-port", c.admin_port, self.admin.start(c.admin_host, c.admin_port,
                                                                                  reuse_port=shared))
             await self.listen("--port", port, self.server.start(host, port, reuse_port=shared))
-            for plane, srv in self.private.items():
+            for srv in self.private.values():
                 await srv.start("127.0.0.1", 0)
-                self.control.private[plane] = srv.port
         except ConfigError:
             await self.cleanup()  # what started before the refusal stops with it
             raise
-        self.control.announce()
+        ctl = self.control
+        ctl.reachable = {plane: f"http://127.0.0.1:{srv.port}" for plane, srv in self.private.items()} or {
+            "front": reachable_url(host, self.server.port),
+            **({"admin": reachable_url(c.admin_host, self.admin.port)} if not c.admin_socket else {})}
+        ctl.run()
         warning = open_front_door(host, self.gw.tenants is not None)
         if warning:
             log.warning(warning)
@@ -319,22 +313,19 @@ class App:
         drain_s = self.cfg.drain_s
         ctl = self.control
         ctl.draining = True
-        ctl.announce()  # still alive while it drains: its siblings must not take its live rids for orphans
         await self.server.close(drain_s, lambda: self.gw.drain(f"still live after drain_s={drain_s:g}s"))
         ours = self.admin.server is not None  # the socket file is ours to remove only if we listened on it
         await self.admin.close()
         for srv in self.private.values():
             await srv.close()
-        if self.siblings is not None:
-            self.siblings.close()
+        if self.peers is not None:
+            self.peers.close()
         if isinstance(ctl.supervisor, multi.RemoteSupervisor):
             ctl.supervisor.close()
         if self.cfg.admin_socket and ours:
             with contextlib.suppress(OSError):
                 os.unlink(self.cfg.admin_socket)
-        await ctl.stop()
-        if self.group is not None:
-            self.group.withdraw()  # last: until now its rids were live and its record said so
+        await ctl.stop()  # the store last: until it is closed this instance's rids are live there
 
 
 def open_front_door(host: str, keys: bool) -> str | None:

@@ -144,7 +144,7 @@ async def run_up(cluster_path: str, config_path: str | None, host: str | None, p
         if workers > 1:  # N gateway processes (pdgate.multi); this one keeps the workers and restarts them
             group = multi.ProcessGroup(serve_argv(cfg, config_path, key_file, log_level,
                                                   (admin or {}).get("log_format")), workers, cfg.drain_s,
-                                       supervised=Supervised(sup))
+                                       supervised=Supervised(sup), store=cfg.store)
             running = asyncio.create_task(group.run(stop, check_ready=True))
             up = asyncio.create_task(group.up.wait())
             await asyncio.wait({running, up}, return_when=asyncio.FIRST_COMPLETED)

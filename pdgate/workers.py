@@ -125,7 +125,9 @@ class Slots:
     engine: int | None = None  # what the engine reports it runs at most (Probe.capacity)
     reserved: int = 0  # slots handed to queued requests that have not bound yet
     cut_until: float = 0.0  # after its 429/503: no more than it holds until then
-    foreign: int = 0  # requests the engine holds beyond ours at the last check (other gateways, direct clients)
+    foreign: int = 0  # requests the engine holds beyond what gateways sharing our store hold (direct clients)
+    others: int = 0  # what the other gateway processes sharing our store hold on it (pdgate.store)
+    share: int = 1  # the store unreachable: its capacity is divided among this many instances, last seen
 
 
 @dataclass(eq=False)
@@ -158,11 +160,14 @@ class Worker:
 
     @property
     def load(self) -> int:
-        return len(self.bound) + self.slots.reserved
+        """Live requests on it: ours, those reserved for our queue's next ones, and other processes'."""
+        s = self.slots
+        return len(self.bound) + s.reserved + s.others
 
     @property
     def capacity(self) -> int | None:
-        return self.slots.configured or self.slots.engine
+        cap = self.slots.configured or self.slots.engine
+        return cap if cap is None or self.slots.share == 1 else max(1, cap // self.slots.share)
 
     def limit(self, now: float) -> int | None:
         """How many of our requests it may hold now: its capacity less what the engine holds for others, lowered
@@ -284,8 +289,8 @@ class Pool:
         self.engines: tuple[Engine, ...] = ()  # the adapters of the kinds registered
 
     def add(self, spec: WorkerSpec, wid: str | None = None) -> Worker:
-        """Register ``spec`` under the next id of its role, or under ``wid`` (a sibling process's id for it:
-        ``pdgate.multi``), after which the role's ids go on from there."""
+        """Register ``spec`` under the next id of its role, or under ``wid`` (the id the shared store gave it:
+        ``pdgate.control``), after which the role's ids go on from there."""
         for w in self.by_id.values():
             if w.url == spec.url and w.role == spec.role:
                 raise ValueError(f"{spec.role} worker {spec.url} is already registered as {w.id}")
@@ -301,17 +306,6 @@ class Pool:
         getattr(self, spec.role).append(w)
         self._kinds()
         return w
-
-    @property
-    def next_ids(self) -> dict[str, int]:
-        """The number of each role's next id."""
-        return dict(self._seq)
-
-    def continue_ids(self, next_ids: dict[str, int]) -> None:
-        """Go on from another pool's ids (a sibling process's), so that both name the next worker alike."""
-        for role, n in next_ids.items():
-            if role in self._seq and isinstance(n, int):
-                self._seq[role] = max(self._seq[role], n)
 
     def remove(self, wid: str, now: float) -> Worker:
         w = self.by_id.pop(wid)

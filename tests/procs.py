@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import shutil
+import socket
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.procs import ROOT, Proc, free_port, wait_http, worker_tables
 
-__all__ = ["ROOT", "Proc", "Procs", "Sim", "free_port", "wait_http", "workers_toml"]
+__all__ = ["ROOT", "Proc", "Procs", "Redis", "Sim", "free_port", "wait_http", "workers_toml"]
+REDIS_MISSING = ("redis-server is not installed: the store's tests run a real one (Debian's redis-server package; "
+                 "the README's test command installs it)")
 
 
 @dataclass
@@ -28,6 +33,36 @@ class Sim:
 def workers_toml(prefills: Sequence[Sim], decodes: Sequence[Sim]) -> str:
     """The ``[[prefill]]`` and ``[[decode]]`` tables of a gateway config for these sims."""
     return worker_tables([(p.url, p.bootstrap_port) for p in prefills], [d.url for d in decodes])
+
+
+@dataclass
+class Redis:
+    """A real redis-server on a Unix socket in the test's directory (nothing on disk, no TCP port)."""
+
+    sock: Path
+    proc: Proc
+
+    @property
+    def url(self) -> str:
+        return f"unix:{self.sock}"
+
+    def ping(self) -> bool:
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.settimeout(1.0)
+                s.connect(str(self.sock))
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def wait(self, timeout: float = 10.0) -> Redis:
+        end = time.monotonic() + timeout
+        while not self.ping():
+            assert self.proc.popen is not None and self.proc.popen.poll() is None, self.proc.logs()[-2000:]
+            assert time.monotonic() < end, f"redis-server did not answer on {self.sock}"
+            time.sleep(0.05)
+        return self
 
 
 @dataclass
@@ -54,6 +89,19 @@ class Procs:
         if wait:
             wait_http(f"{s.url}/health", proc=s.proc.popen)
         return s
+
+    def redis(self, sock: Path | None = None) -> Redis:
+        """Start a redis-server (on ``sock``: again on the socket of one stopped before, as a restart)."""
+        exe = shutil.which("redis-server")
+        if exe is None:
+            import pytest
+
+            pytest.skip(REDIS_MISSING)
+        sock = sock or self.tmp / f"redis-{len(self.procs)}.sock"
+        sock.unlink(missing_ok=True)
+        args = [exe, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", "",
+                "--appendonly", "no", "--daemonize", "no"]
+        return Redis(sock, self.spawn(args, name="redis")).wait()
 
     def pair(self, *extra: str, env: dict[str, str] | None = None) -> tuple[Sim, Sim]:
         return self.sim("prefill", *extra, env=env), self.sim("decode", *extra, env=env)

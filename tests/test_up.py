@@ -255,7 +255,7 @@ def test_pdgate_up_with_two_gateway_processes(procs: Procs, tmp_path: Path) -> N
         rid = headers["x-request-id"]
         assert get(f"{admin}/v1/requests/{rid}", key)["outcome"] == "completed"
     assert len(owners) == 2, owners
-    assert len(get(admin + "/v1/lease", key)["instances"]) == 2
+    assert len(get(admin + "/v1/dashboard", key)["instances"]) == 2, "one dashboard for both processes"
     pids = {p["name"]: p["pid"] for p in get(admin + "/v1/cluster", key)["processes"]}
     status, body, _ = post(admin + "/v1/workers/d0/restart", key=key)
     assert status == 200 and body["process"]["pid"] != pids["decode-0"]

@@ -425,7 +425,7 @@ def test_token_bucket_and_tenant_limits_without_a_loop() -> None:
     assert b.wait(1, 0.0) == pytest.approx(1.0) and b.wait(1, 1.0) == 0.0
     b.take(100, 1.0)  # charged after the fact: below zero
     assert b.wait(1, 1.0) == pytest.approx(100.0)
-    t = Tenant(KeyConfig("t", hash_key("k"), models=("m1",), max_total_s=5), config.DeadlineConfig(), 0.0)
+    t = Tenant(KeyConfig("t", hash_key("k"), models=("m1",), max_total_s=5), config.DeadlineConfig())
     assert t.deadlines.max_total_s == 5 and t.deadlines.total_s == 5
     assert t.allows("m1", frozenset({"m1", "m2"})) and not t.allows("m2", frozenset({"m1", "m2"}))
     assert not t.allows(None, frozenset({"m1", "m2"})) and t.allows(None, frozenset({"m1"}))

@@ -1,5 +1,5 @@
 """``pdgate serve --workers N``: processes that share one port, an admin plane that answers for all of them, a
-supervisor that restarts the one that dies (``pdgate.multi``, ``pdgate.siblings``)."""
+supervisor that restarts the one that dies, a store they share (``pdgate.multi``, ``pdgate.peers``, ``pdgate.store``)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,15 @@ import signal
 import subprocess
 import sys
 import time
-from collections import deque
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 import pytest
 
-from pdgate import multi, siblings
-from pdgate.config import ReconcileConfig
-from pdgate.reconcile import Reconciler
+from pdgate import multi, peers
+from pdgate.config import StoreConfig
+from pdgate.metrics import Metrics
 from tests.engine.simclient import gauge
 from tests.pdgate.test_outcomes import CHAT
 from tests.procs import Procs, free_port, wait_http, workers_toml
@@ -77,21 +75,13 @@ async def test_processes_share_the_port_answer_for_each_other_and_one_killed_is_
     port, admin = free_port(), free_port()
     cfg = tmp_path / "g.toml"
     cfg.write_text(f"[gateway]\nport = {port}\nadmin_port = {admin}\naccess_log = false\n"
-                   "[reconcile]\ninterval_s = 0.3\ngrace_s = 0.5\nlease_s = 1.5\n" + workers_toml([p], [d]))
+                   "[reconcile]\ninterval_s = 0.3\ngrace_s = 0.5\n[store]\nlease_s = 1.5\nheartbeat_s = 0.5\n"
+                   + workers_toml([p], [d]))
     sup = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg), "--workers", "2"], name="group")
     url, admin_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
     wait_http(url + "/readiness", proc=sup.popen)
-    first = await wait_for(lambda: children(sup.pid) if len(children(sup.pid)) == 2 else None, 10, "two processes")
-
-    async def lease_names_both() -> Any:
-        async with fresh.get(admin_url + "/v1/lease") as r:
-            body = await r.json()
-        return body if len(body.get("instances", [])) == 2 else None
-
-    end = time.monotonic() + 10
-    while not await lease_names_both():
-        assert time.monotonic() < end, "both processes' record files are read"
-        await asyncio.sleep(0.1)
+    await group_members(sup.pid)  # both in the store's registry
+    first = gateways_of(sup.pid)
 
     # long requests on new connections: both processes take some; every one is seen from the one admin port
     long_body = {**CHAT, "max_tokens": 30}
@@ -118,10 +108,12 @@ async def test_processes_share_the_port_answer_for_each_other_and_one_killed_is_
             assert not any(e["event"] == "reconcile_abort" for e in t["attempts"][0]["events"]), \
                 "a sibling's live request is never an orphan"
     assert await gauge(fresh, d, "num_aborted_requests_total") == 0
-    async with fresh.get(admin_url + "/metrics") as r:
-        text = await r.text()
-    assert 'pdgate_requests_total{outcome="completed",route="/v1/chat/completions"} 12.0' in text, \
-        "the counters of both processes, summed"
+    async def summed() -> bool:  # each process writes its files every FLUSH_S: a scrape sees them that late
+        async with fresh.get(admin_url + "/metrics") as r:
+            text = await r.text()
+        return 'pdgate_requests_total{outcome="completed",route="/v1/chat/completions"} 12.0' in text
+
+    await wait_for_async(summed, 3, "the counters of both processes, summed (multiprocess files)")
 
     # one process dies: the other keeps serving, the supervisor starts a new one (a new instance id)
     victim = sorted(first)[0]
@@ -131,8 +123,8 @@ async def test_processes_share_the_port_answer_for_each_other_and_one_killed_is_
     await wait_for(lambda: dead(victim), 5, "the killed process exits")
     statuses = [s for s, _ in await asyncio.gather(*(post(fresh, url, CHAT) for _ in range(20)))]
     assert statuses == [200] * 20
-    now = await wait_for(lambda: children(sup.pid) if len(children(sup.pid)) == 2 and victim not in
-                         children(sup.pid) else None, 10, "the supervisor restarts the dead process")
+    now = await wait_for(lambda: gateways_of(sup.pid) if len(gateways_of(sup.pid)) == 2 and victim not in
+                         gateways_of(sup.pid) else None, 10, "the supervisor restarts the dead process")
     assert victim not in now and sup.popen is not None and sup.popen.poll() is None
     wait_http(url + "/readiness", proc=sup.popen)
     after: set[str] = set()
@@ -157,48 +149,74 @@ async def test_a_change_on_the_admin_plane_is_made_by_every_process(procs: Procs
     sup = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg), "--workers", "2"], name="group")
     admin_url = f"http://127.0.0.1:{admin}"
     wait_http(f"http://127.0.0.1:{port}/readiness", proc=sup.popen)
-    await wait_for(lambda: group_members(sup.pid), 10, "both processes announced")
+    members = await group_members(sup.pid)
     async with fresh.post(admin_url + "/v1/workers", json={"role": "decode", "url": d2.url}) as r:
         assert r.status == 201, await r.text()
-        assert "x-pdgate-siblings-failed" not in r.headers
-    for _ in range(6):
-        async with fresh.get(admin_url + "/v1/workers") as r:
-            body = await r.json()
-        assert body["processes"]["answered"] == 2
-        assert d2.url in {w["url"] for w in body["workers"]}, "whichever process answers routes to it"
-    # each process on its own (the header asks one alone): both have it
-    for m in await wait_for(lambda: group_members(sup.pid), 5, "record files"):
-        async with fresh.get(m["admin"] + "/v1/workers", headers={siblings.LOCAL: "1"}) as r:
-            assert d2.url in {w["url"] for w in (await r.json())["workers"]}
+    # each process on its own (the header asks one alone): both route to it, pushed through the store
+    await wait_for_async(lambda: views_of(fresh, members, lambda v: all(d2.url in x for x in v)), 3,
+                         "every process has the new worker")
     # a process started after the change (here: restarted) routes to the worker too, though its config lacks it
-    victim = sorted(children(sup.pid))[0]
+    victim = sorted(gateways_of(sup.pid))[0]
     os.kill(victim, signal.SIGKILL)
-    members = await wait_for(lambda: [m for m in group_members(sup.pid) if m["pid"] != victim] if len(
-        [m for m in group_members(sup.pid) if m["pid"] != victim]) == 2 else None, 15, "restarted and announced")
+    # restarted (0.5 s backoff), imported and announced: seconds alone, more on a loaded 2-core CI machine
+    members = await group_members(sup.pid, without=victim, within=40.0)
+    views = await views_of(fresh, members, lambda v: True)
+    assert d2.url in views[0] and views[0] == views[1], f"the same workers under the same ids: {views}"
+    # so a removal made through one process names the same worker in each
+    async with fresh.delete(f"{admin_url}/v1/workers/{views[0][d2.url]}") as r:
+        assert r.status == 200, await r.text()
+    await wait_for_async(lambda: views_of(fresh, members, lambda v: all(d2.url not in x for x in v)), 3,
+                         "every process dropped it")
+
+
+async def views_of(http: aiohttp.ClientSession, members: list[dict[str, Any]], good: Any) -> Any:
+    """Each process's own workers (url -> id), if ``good`` says they are what the test waits for."""
     views = []
     for m in members:
-        async with fresh.get(m["admin"] + "/v1/workers", headers={siblings.LOCAL: "1"}) as r:
+        async with http.get(m["admin"] + "/v1/workers", headers={peers.LOCAL: "1"}) as r:
             views.append({w["url"]: w["id"] for w in (await r.json())["workers"]})
-    assert d2.url in views[0] and views[0] == views[1], f"the same workers under the same ids: {views}"
-    # so a removal made by every process names the same worker in each
-    async with fresh.delete(f"{admin_url}/v1/workers/{views[0][d2.url]}") as r:
-        assert r.status == 200 and "x-pdgate-siblings-failed" not in r.headers, await r.text()
-    for m in members:
-        async with fresh.get(m["admin"] + "/v1/workers", headers={siblings.LOCAL: "1"}) as r:
-            assert d2.url not in {w["url"] for w in (await r.json())["workers"]}
+    return views if good(views) else None
 
 
-def group_members(pid: int) -> list[dict[str, Any]]:
-    """The record files of a supervisor's processes (found through a child's environment)."""
-    for child in children(pid):
-        try:
-            env = dict(x.split("=", 1) for x in Path(f"/proc/{child}/environ").read_text().split("\0") if "=" in x)
-        except OSError:
-            continue
-        if multi.ENV_DIR in env:
-            members = multi.Group(Path(env[multi.ENV_DIR]), -1).members()
-            return members if len(members) == 2 else []
-    return []
+async def wait_for_async(cond: Any, within: float, what: str) -> Any:
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        got = await cond()
+        if got:
+            return got
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"not within {within}s: {what}")
+
+
+def environ(pid: int) -> dict[str, str]:
+    try:
+        return dict(x.split("=", 1) for x in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in x)
+    except OSError:
+        return {}
+
+
+def gateways_of(pid: int) -> set[int]:
+    """A supervisor's gateway processes (its redis-server is a child too)."""
+    return {c for c in children(pid) if multi.ENV_INDEX in environ(c)}
+
+
+def redis_of(pid: int) -> int | None:
+    return next(iter(children(pid) - gateways_of(pid)), None)
+
+
+async def group_members(pid: int, n: int = 2, without: int | None = None, within: float = 15.0) -> list[dict[str, Any]]:
+    """The store's registry entries of a supervisor's ``n`` processes (the store found in a child's environment),
+    once there are ``n`` (none of them ``without``)."""
+    async def look() -> list[dict[str, Any]] | None:
+        for child in gateways_of(pid):
+            url = environ(child).get(multi.ENV_STORE)
+            if url:
+                live = set(gateways_of(pid)) - {without}
+                got = [m for m in (await multi.registered(StoreConfig(url=url)) or {}).values() if m.get("pid") in live]
+                return sorted(got, key=lambda m: m["pid"]) if len(got) == n else None
+        return None
+
+    return list(await wait_for_async(look, within, f"{n} processes in the registry"))
 
 
 def test_the_workers_flag_is_taken_out_of_what_each_process_runs() -> None:
@@ -206,42 +224,35 @@ def test_the_workers_flag_is_taken_out_of_what_each_process_runs() -> None:
     assert multi.without_workers_flag(argv) == ["serve", "--port", "1", "--decode", "http://x:1"]
 
 
-def test_metrics_of_processes_are_summed_by_label_set() -> None:
-    a = ('# HELP pdgate_requests_total Requests\n# TYPE pdgate_requests_total counter\n'
-         'pdgate_requests_total{outcome="completed"} 3.0\npdgate_requests_total{outcome="failed"} 1.0\n'
-         '# HELP pdgate_live gauge\n# TYPE pdgate_live gauge\npdgate_live 2.0\n')
-    b = ('# HELP pdgate_requests_total Requests\n# TYPE pdgate_requests_total counter\n'
-         'pdgate_requests_total{outcome="completed"} 4.0\n# HELP pdgate_live gauge\n# TYPE pdgate_live gauge\n'
-         'pdgate_live 5.0\n')
-    out = siblings.merge_metrics([a, b]).decode()
-    assert 'pdgate_requests_total{outcome="completed"} 7.0' in out
-    assert 'pdgate_requests_total{outcome="failed"} 1.0' in out
-    assert "pdgate_live 7.0" in out and "# TYPE pdgate_requests_total counter" in out
+def test_metrics_of_processes_are_merged_by_prometheus_multiprocess_files(tmp_path: Path) -> None:
+    """Each process writes its series into the group's directory; a scrape of any merges them (the library's
+    MultiProcessCollector): counters and histograms summed, live requests summed, per-worker gauges per process.
+    Without the files (one process's own registry) a scrape shows only that process's counts."""
+    procs = [Metrics(), Metrics()]
+    for n, m in enumerate(procs, start=1):
+        m.finished[("/v1/chat/completions", "completed")] = 3 * n
+        m.queue_wait.observe(0.02 * n)
+        m.drift.labels("p0").set(n)
+    alone = procs[0].render().decode()
+    assert 'pdgate_requests_total{outcome="completed",route="/v1/chat/completions"} 3.0' in alone
+    for pid, m in enumerate(procs, start=100):
+        m.share(tmp_path / "metrics")
+        assert m.shared is not None
+        m.shared.pid = pid  # two processes' files (the test runs in one)
+        m.shared.flush()
+    text = procs[0].render().decode()
+    assert 'pdgate_requests_total{outcome="completed",route="/v1/chat/completions"} 9.0' in text
+    assert 'pdgate_queue_wait_seconds_count 2.0' in text and 'pdgate_queue_wait_seconds_bucket{le="0.025"} 1.0' in text
+    assert 'pdgate_queue_wait_seconds_bucket{le="0.05"} 2.0' in text
+    assert 'pdgate_worker_drift{pid="100",worker="p0"} 1.0' in text and 'pid="101"' in text
+    procs[1].finished[("/v1/chat/completions", "completed")] += 1  # counted after the last flush: the next scrape
+    assert 'route="/v1/chat/completions"} 10.0' in procs[1].render().decode()
+    for m in procs:
+        assert m.shared is not None
+        m.shared.close()
 
 
-def test_a_siblings_instance_never_lapses_and_without_its_record_it_would(tmp_path: Path) -> None:
-    """The safety: a sibling's live rids are not orphans. With the record files switched off (no siblings), the
-    same sibling lapses after lease_s and its requests would be aborted."""
-    clock = [100.0]
-
-    async def no_peers() -> None:
-        return None
-
-    cfg: Any = SimpleNamespace(reconcile=ReconcileConfig(lease_s=1.5), peers=())
-    on, off = (Reconciler(cfg, "aa", None, None, None, deque(), None, lambda: clock[0])  # type: ignore[arg-type]
-               for _ in range(2))
-    on.siblings = lambda: ["bb"]
-    for r in (on, off):
-        asyncio.run(r.refresh_leases())
-        assert not r.lapsed("bb")  # first sight starts the clock
-    clock[0] += 2.0
-    for r in (on, off):
-        asyncio.run(r.refresh_leases())
-    assert not on.lapsed("bb")
-    assert off.lapsed("bb"), "without the siblings' records the sibling's rids would be aborted"
-
-
-def test_a_pool_takes_a_siblings_ids_and_goes_on_from_them() -> None:
+def test_a_pool_takes_the_stores_ids_and_goes_on_from_them() -> None:
     from pdgate.config import BreakerConfig, WorkerSpec
     from pdgate.workers import Pool
 
@@ -253,9 +264,6 @@ def test_a_pool_takes_a_siblings_ids_and_goes_on_from_them() -> None:
         pool.add(WorkerSpec(url="http://127.0.0.1:4", role="decode"), "d5")
     with pytest.raises(ValueError):
         pool.add(WorkerSpec(url="http://127.0.0.1:4", role="decode"), "p9")
-    pool.continue_ids({"decode": 9, "prefill": 2})
-    assert pool.next_ids == {"decode": 9, "prefill": 2}
-    assert pool.add(WorkerSpec(url="http://127.0.0.1:5", role="prefill", bootstrap_port=9)).id == "p2"
 
 
 async def start_group(procs: Procs, tmp_path: Path, extra: str = "", *workers: Any, name: str = "group") -> Any:
@@ -265,18 +273,18 @@ async def start_group(procs: Procs, tmp_path: Path, extra: str = "", *workers: A
                    + workers_toml([workers[0]], list(workers[1:])))
     sup = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg), "--workers", "2"], name=name)
     wait_http(f"http://127.0.0.1:{port}/readiness", proc=sup.popen)
-    await wait_for(lambda: group_members(sup.pid), 10, "both processes announced")
+    await group_members(sup.pid)
     return sup, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}", cfg
 
 
 async def test_a_group_drains_on_sigterm_without_its_processes_aborting_each_other(
         procs: Procs, fresh: aiohttp.ClientSession, tmp_path: Path) -> None:
-    """While a process drains its record stays (marked draining): its siblings do not take its live rids for a dead
-    instance's, even with drain_s well past lease_s (the record withdrawn first: they were aborted at lease_s)."""
+    """While a process drains its registry entry stays (marked draining, heartbeats going on): the other does not
+    take its live rids for a dead instance's, even with drain_s well past the store's lease_s."""
     p = procs.sim("prefill", "--fixes", "none")
     d = procs.sim("decode", "--fixes", "none", "--speed", "15")
     sup, url, _, _ = await start_group(procs, tmp_path, "drain_s = 10\n[reconcile]\ninterval_s = 0.3\ngrace_s = 0.5\n"
-                                       "lease_s = 1.5\n", p, d)
+                                       "[store]\nlease_s = 1.5\nheartbeat_s = 0.5\n", p, d)
     body = {**CHAT, "max_tokens": 60, "stream": True}
 
     async def stream() -> str:
@@ -297,23 +305,20 @@ async def test_a_group_drains_on_sigterm_without_its_processes_aborting_each_oth
 
 async def test_changes_made_at_once_through_both_processes_keep_one_id_per_worker(
         procs: Procs, fresh: aiohttp.ClientSession, tmp_path: Path) -> None:
-    """Two registrations at the same moment, each to another process: the leader names both, so an id means one
+    """Two registrations at the same moment, each to another process: the store names both, so an id means one
     worker in every process."""
     p, d = procs.pair()
     extra = [procs.sim("decode"), procs.sim("decode")]
     sup, _, _, _ = await start_group(procs, tmp_path, "", p, d)
-    members = group_members(sup.pid)
+    members = await group_members(sup.pid)
     results = await asyncio.gather(*(fresh.post(m["admin"] + "/v1/workers", json={"role": "decode", "url": x.url})
                                      for m, x in zip(members, extra, strict=True)))
     for r in results:
         assert r.status == 201, await r.text()
-        assert "x-pdgate-siblings-failed" not in r.headers
         r.release()
-    views = []
-    for m in members:
-        async with fresh.get(m["admin"] + "/v1/workers", headers={siblings.LOCAL: "1"}) as r:
-            views.append({w["id"]: w["url"] for w in (await r.json())["workers"]})
-    assert views[0] == views[1] and {x.url for x in extra} <= set(views[0].values()), views
+    views = await wait_for_async(lambda: views_of(fresh, members, lambda v: v[0] == v[1] and {
+        x.url for x in extra} <= set(v[0])), 3, "one id per worker in both")
+    assert len(set(views[0].values())) == len(views[0]), views
 
 
 async def test_a_second_group_on_the_same_ports_is_refused(procs: Procs, fresh: aiohttp.ClientSession,
@@ -332,21 +337,24 @@ async def test_processes_stop_when_their_supervisor_dies_before_they_are_up(proc
     cfg = tmp_path / "g.toml"
     cfg.write_text(f"[gateway]\nport = {port}\nadmin_port = {admin}\n" + workers_toml([p], [d]))
     sup = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg), "--workers", "2"], name="group")
-    kids = await wait_for(lambda: children(sup.pid) if len(children(sup.pid)) == 2 else None, 10, "spawned")
+    kids = await wait_for(lambda: gateways_of(sup.pid) if len(gateways_of(sup.pid)) == 2 else None, 10, "spawned")
+    store = redis_of(sup.pid)
+    assert store is not None, "the group's own redis-server"
     assert sup.popen is not None
     sup.popen.kill()  # before they got far: they learn of it from the pid it gave them, not their first parent
     sup.popen.wait(5)
     await wait_for(lambda: all(dead(k) for k in kids), 15, "the processes stop by themselves")
+    await wait_for(lambda: dead(store), 5, "the group's redis-server stops with its supervisor")
 
 
 async def test_a_frozen_process_is_killed_and_restarted(procs: Procs, fresh: aiohttp.ClientSession,
                                                        tmp_path: Path) -> None:
     p, d = procs.pair()
     sup, url, _, _ = await start_group(procs, tmp_path, "", p, d)
-    victim = sorted(children(sup.pid))[0]
+    victim = sorted(gateways_of(sup.pid))[0]
     os.kill(victim, signal.SIGSTOP)  # alive, holding its share of the port, answering nothing
     try:
-        await wait_for(lambda: victim not in children(sup.pid) and len(children(sup.pid)) == 2, 25,
+        await wait_for(lambda: victim not in gateways_of(sup.pid) and len(gateways_of(sup.pid)) == 2, 25,
                        "the supervisor kills and replaces it")
     finally:
         with contextlib.suppress(ProcessLookupError):

@@ -221,3 +221,43 @@ def test_hostile_bodies_cost_little_and_never_raise() -> None:
     assert policies.prompt_text("/generate", {"messages": [{"role": "user", "content": "m"}], "text": "t"}) == "t"
     assert policies.prompt_text("/v1/completions", {"prompt": ["a"] * 10**6}).count("a") < policies.MAX_TEXT_CHARS
     assert policies.prompt_text("/generate", {"input_ids": list(range(10**6))}).startswith("0 1 2")
+
+
+def test_processes_sharing_a_store_place_each_session_alike_and_maps_would_not() -> None:
+    """Three processes, each with its own policy, see a session's rounds in turn. With rendezvous placement
+    (``shared``) every round of every session lands on one worker whichever process serves it; with per-process
+    maps (the mechanism off) a process that never saw the session places it by its own loads."""
+    for make in (lambda: Session(shared=True), lambda: CacheAware(shared=True)):
+        procs = [make() for _ in range(3)]
+        ws = [W("p0"), W("p1"), W("p2")]
+        homes: dict[str, set[str]] = {}
+        for rnd in range(6):
+            for s in range(30):
+                w = send(procs[(s + rnd) % 3], ws, chat(f"round {rnd}", user=f"s{s}"))
+                homes.setdefault(f"s{s}", set()).add(w.id)
+                ws[rnd % 3].load = rnd  # loads differ between rounds, within the balance thresholds
+        assert all(len(v) == 1 for v in homes.values()), homes
+        assert {next(iter(v)) for v in homes.values()} == {"p0", "p1", "p2"}, "sessions spread over the workers"
+    maps = [Session() for _ in range(3)]
+    ws = [W("p0"), W("p1"), W("p2")]
+    moved = 0
+    for s in range(30):
+        first = send(maps[s % 3], ws, chat("r0", user=f"s{s}"))
+        first.load += 1
+        moved += send(maps[(s + 1) % 3], ws, chat("r1", user=f"s{s}")).id != first.id
+    assert moved >= 10, f"per-process maps: {moved} of 30 sessions moved on their second round"
+
+
+def test_rendezvous_placement_moves_a_session_only_off_a_worker_over_the_thresholds() -> None:
+    cfg = RoutingConfig(balance_abs=4, balance_rel=1.5)
+    pol = Session(cfg, shared=True)
+    ws = [W("p0"), W("p1")]
+    home = send(pol, ws, chat("a", user="s")).id
+    other = next(w for w in ws if w.id != home)
+    next(w for w in ws if w.id == home).load = 5  # 5 - 0 > 4 and 5 > 0 * 1.5: over
+    req = chat("b", user="s")
+    assert send(pol, ws, req).id == other.id
+    assert req.notes and f"not {home}: {home} over the balance thresholds" in req.notes[0]
+    next(w for w in ws if w.id == home).load = 4  # back within: it returns home
+    assert send(pol, ws, chat("c", user="s")).id == home
+    assert pol.decisions["moved"] == 1 and pol.decisions["sticky"] == 2

@@ -6,20 +6,27 @@ import asyncio
 import dataclasses
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from pdgate.config import ReconcileConfig
+from pdgate.config import ReconcileConfig, StoreConfig
 from tests.engine.simclient import engine_requests, gauge, set_faults, wait_gauge
 from tests.pdgate.harness import make_config, start_gateway
 from tests.pdgate.test_outcomes import CHAT, gateway, post
 from tests.procs import Procs, free_port, wait_http, workers_toml
 
 INFLIGHT = "num_prefill_inflight_queue_reqs"
-FAST = ReconcileConfig(interval_s=0.5, grace_s=1.0, lease_s=2.0)
+FAST = ReconcileConfig(interval_s=0.5, grace_s=1.0)
+LEASE = StoreConfig(lease_s=2.0, heartbeat_s=0.5)  # with a url: gateways sharing a Redis
+
+
+def store_toml(url: str, lease: StoreConfig = LEASE) -> str:
+    return f'[store]\nurl = "{url}"\nlease_s = {lease.lease_s}\nheartbeat_s = {lease.heartbeat_s}\n'
+
 
 
 async def pin_on_prefill(http: aiohttp.ClientSession, url: str, n: int) -> None:
@@ -48,7 +55,7 @@ async def test_exact_mode_aborts_orphans_and_without_it_they_stay(procs: Procs, 
     rec = list(on.gw.traces.finished.values())[-1]
     assert any(e[1] == "reconcile_abort" for e in rec.attempts[0].events)
 
-    await on.close()  # (it would clean the next gateway's pins too, once that one's lease lapsed)
+    await on.close()
     gateways.remove(on)
     off = await gateway(gateways, [p], [d], abort_legs=False, reconcile=ReconcileConfig(enabled=False))
     await pin_on_prefill(http, off.url, 2)
@@ -87,7 +94,7 @@ async def test_count_mode_for_plain_sglang(procs: Procs, http: aiohttp.ClientSes
     """Without the extension: the engine's counts exceed ours, so the worker's recent rids are aborted again."""
     p, d = procs.pair("--fixes", "none", "--no-extension")
     await set_faults(http, d, ack_loss=True)
-    rc = ReconcileConfig(interval_s=0.5, grace_s=1.0, lease_s=2.0, drift_checks=2)
+    rc = ReconcileConfig(interval_s=0.5, grace_s=1.0, drift_checks=2)
     g = await gateway(gateways, [p], [d], abort_legs=False, reconcile=rc)
     assert g.gw.pool.by_id["p0"].info.lists_rids is False
     await pin_on_prefill(http, g.url, 3)
@@ -106,18 +113,21 @@ async def test_gateway_killed_mid_load_is_cleaned_by_its_successor(procs: Procs,
     p = procs.sim("prefill", "--fixes", "none", "--fault", "abort_race=1", env=env)
     d = procs.sim("decode", "--fixes", "none", "--fault", "ack_loss=1", env=env)
     port = free_port()
+    redis = procs.redis()
     cfg = tmp_path / "a.toml"
     cfg.write_text(f'[gateway]\nport = {port}\nadmin_port = {free_port()}\n[reconcile]\nenabled = false\n'
-                   + workers_toml([p], [d]))
+                   + store_toml(redis.url) + workers_toml([p], [d]))
     a = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg)], name="gateway-a")
     wait_http(f"http://127.0.0.1:{port}/readiness", proc=a.popen)
     await pin_on_prefill(http, f"http://127.0.0.1:{port}", 3)
     a.stop(signal.SIGKILL)  # before its own prefill-tail aborts (1 s): its records die with it
+    killed = time.monotonic()
     await asyncio.sleep(1.5)  # the engines' disconnect aborts came and were lost to the race
     assert await gauge(http, p, INFLIGHT) == 3
-    b = await gateway(gateways, [p], [d], reconcile=FAST)
-    took = await wait_gauge(http, p, INFLIGHT, 0, within=FAST.lease_s + FAST.interval_s + FAST.grace_s + 2)
-    assert took >= FAST.lease_s - 0.5, "another instance's rids must wait for its lease to lapse"
+    b = await gateway(gateways, [p], [d], reconcile=FAST, store=dataclasses.replace(LEASE, url=redis.url))
+    await wait_gauge(http, p, INFLIGHT, 0, within=LEASE.lease_s + FAST.interval_s + FAST.grace_s + 2)
+    assert time.monotonic() - killed >= LEASE.lease_s - LEASE.heartbeat_s - 0.2, \
+        "another instance's rids wait for its registry entry to expire"
     async with http.get(b.admin + "/v1/workers") as r:
         assert r.status == 200
 
@@ -126,16 +136,17 @@ async def test_two_gateway_processes_never_abort_each_others_live_requests(
         procs: Procs, http: aiohttp.ClientSession, gateways: list[Any], tmp_path: Path) -> None:
     p = procs.sim("prefill", "--fixes", "none")
     d = procs.sim("decode", "--fixes", "none", "--speed", "15")  # requests last ~2-3 s: longer than grace and lease
-    rc = ReconcileConfig(interval_s=0.3, grace_s=0.5, lease_s=1.5)
+    rc = ReconcileConfig(interval_s=0.3, grace_s=0.5)
+    lease = StoreConfig(url=procs.redis().url, lease_s=1.5, heartbeat_s=0.5)
     pa, pb, a_admin = free_port(), free_port(), free_port()
     cfg = tmp_path / "a.toml"
-    cfg.write_text(f'[gateway]\nport = {pa}\nadmin_port = {a_admin}\npeers = ["http://127.0.0.1:{pb}"]\n'
-                   f"[reconcile]\ninterval_s = 0.3\ngrace_s = 0.5\nlease_s = 1.5\n"
+    cfg.write_text(f'[gateway]\nport = {pa}\nadmin_port = {a_admin}\n'
+                   f"[reconcile]\ninterval_s = 0.3\ngrace_s = 0.5\n" + store_toml(lease.url, lease)
                    + workers_toml([p], [d]))
     a_proc = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg)], name="gateway-a")
     a_url = f"http://127.0.0.1:{pa}"
     wait_http(a_url + "/readiness", proc=a_proc.popen)
-    b = await start_gateway(dataclasses.replace(make_config([p], [d], reconcile=rc), port=pb, peers=(a_url,)))
+    b = await start_gateway(make_config([p], [d], reconcile=rc, port=pb, store=lease))
     gateways.append(b)
 
     body = {**CHAT, "max_tokens": 30}
@@ -156,7 +167,7 @@ async def test_two_gateway_processes_never_abort_each_others_live_requests(
     pinned = await asyncio.gather(*(post_to(http, a_url, CHAT) for _ in range(2)))
     a_proc.stop(signal.SIGKILL)
     assert [s for s, _ in pinned] == [200, 200] and await gauge(http, p, INFLIGHT) == 2
-    await wait_gauge(http, p, INFLIGHT, 0, within=rc.lease_s + rc.interval_s + rc.grace_s + 4.5)
+    await wait_gauge(http, p, INFLIGHT, 0, within=lease.lease_s + rc.interval_s + rc.grace_s + 4.5)
     async with http.get(b.admin + "/metrics") as r:
         assert 'pdgate_reconcile_aborts_total{mode="exact",worker="p0"}' in await r.text()
 
