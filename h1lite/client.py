@@ -432,6 +432,7 @@ class Client:
         self.max_open, self.max_idle = max_open, max_idle
         self.max_body = max_body  # default limit of a read() answer
         self.pools: dict[str, tuple[OriginPool, bytes]] = {}  # "http://host:port" -> (pool, Host header value)
+        self.limits: dict[str, int] = {}  # "http://host:port" -> its own max_open (else the client's)
         self.stale_retries = 0  # requests sent again after a reused connection turned out closed
 
     def _pool(self, base: str) -> tuple[OriginPool, bytes]:
@@ -442,9 +443,20 @@ class Client:
                 raise ValueError(f"only http://host:port origins are supported, got {base!r}")
             port = u.port or 80
             pool = OriginPool(asyncio.get_running_loop(), u.hostname, port, self.connect_timeout_s, self.idle_s,
-                        self.max_open, self.max_idle)
+                              self.limits.get(base, self.max_open), self.max_idle)
             hit = self.pools[base] = (pool, f"{u.hostname}:{port}".encode())
         return hit
+
+    def limit(self, base: str, max_open: int) -> None:
+        """At most ``max_open`` connections open to ``base`` from now on (raised: its waiters go on)."""
+        self.limits[base] = max_open
+        hit = self.pools.get(base)
+        if hit is not None:
+            pool = hit[0]
+            more = max_open - pool.max_open
+            pool.max_open = max_open
+            for _ in range(max(0, more)):
+                pool._wake()
 
     async def request(self, base: str, method: str, target: str, body: bytes = b"",
                       content_type: bytes = b"application/json", headers: dict[str, str] | bytes | None = None) -> ClientResponse:

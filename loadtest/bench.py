@@ -41,6 +41,7 @@ from rich.table import Table
 from loadtest import overload, streams
 from loadtest.output import pyplot, write
 from loadtest.procs import Proc, Stack, cpu_seconds, free_port, require_router, wait_http
+from pdgate.views import layout
 
 PING = b'{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}'
 CORES = os.cpu_count() or 1
@@ -175,19 +176,20 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, 
 
 
 def print_table(console: Console, summary: dict[str, dict[str, dict[str, Any]]], title: str) -> None:
-    t = Table(title=title)
-    for col in ("workload", "target", "req/s", "vs direct", "p50 ms", "p99 ms", "p50 +ms over direct", "ttft p50 ms",
-                "target CPU µs/req", "workers CPU µs/req", "gen CPU µs/req", "all CPU µs/req", "CPU-bound req/s", "errors"):
-        t.add_column(col, justify="right")
+    """As the CLI lays tables out (``pdgate.views.layout``): every value whole; where the columns do not fit the
+    terminal (or a pipe's 80 columns), one record per row."""
+    cols = ["target", "workload", "req/s", "vs direct", "p50 ms", "p99 ms", "p50 +ms over direct", "ttft p50 ms",
+            "target CPU µs/req", "workers CPU µs/req", "gen CPU µs/req", "all CPU µs/req", "CPU-bound req/s", "errors"]
+    rows: list[list[Any]] = []
     for wl, by in summary.items():
         for name, m in by.items():
             added = f"{m['p50_added_ms']:+.1f}" if "p50_added_ms" in m and name != "direct" else "-"
-            t.add_row(wl, name, f"{m['rps']:.0f}", f"{m['rps_vs_direct']:.2f}", f"{m['p50_ms']:.1f}", f"{m['p99_ms']:.1f}",
+            rows.append([name, wl, f"{m['rps']:.0f}", f"{m['rps_vs_direct']:.2f}", f"{m['p50_ms']:.1f}", f"{m['p99_ms']:.1f}",
                       added, f"{m['ttft_p50_ms']:.1f}",
                       str(m.get("target_cpu_us_per_req", "-")), str(m.get("workers_cpu_us_per_req", "-")),
                       str(m.get("generator_cpu_us_per_req", "-")), str(m.get("machine_cpu_us_per_req", "-")),
-                      f"{m['cpu_bound_rps']:.0f}" if "cpu_bound_rps" in m else "-", str(int(m["errors"])))
-    console.print(t)
+                      f"{m['cpu_bound_rps']:.0f}" if "cpu_bound_rps" in m else "-", str(int(m["errors"]))])
+    console.print(layout(title, cols, rows, console.width))
 
 
 def plot(summary: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:

@@ -7,9 +7,11 @@ open-loop Poisson arrivals at 1x, 2x and 3x that capacity for ``--duration`` sec
 TTFT budget (``x-pdgate-ttft-timeout``) and a total budget (``x-pdgate-timeout``); the client gives up at
 the total budget plus a second (a router that ignores deadlines is then seen answering late, or not at all).
 
-Targets, in one run on the same workers: pdgate with admission control, pdgate with it off
-(``[admission] enabled = false``), sglang-router as it is, and sglang-router with its concurrency limit and
-queue (``--max-concurrent-requests``, ``--queue-size``, ``--queue-timeout-secs`` = the TTFT budget).
+Targets, in one run on the same workers: pdgate on its defaults (the limit learned), pdgate with ``[admission]
+capacity`` set by hand to ``--hand-capacity`` (the engine's real concurrency), pdgate with admission off
+(``[admission] enabled = false``), sglang-router as it is, and sglang-router with its concurrency limit
+(``--hand-capacity``) and queue (``--max-concurrent-requests``, ``--queue-size``, ``--queue-timeout-secs`` = the
+TTFT budget).
 
 Reported per target and load: goodput (requests answered 200 within their total budget, per second, counted
 in steady state: answers from 2 s after the first arrival to the last arrival; and as a share of the measured
@@ -35,10 +37,10 @@ from typing import Any
 import aiohttp
 import uvloop
 from rich.console import Console
-from rich.table import Table
 
 from loadtest.output import pyplot, write
 from loadtest.procs import Proc, free_port, require_router, wait_http, worker_tables
+from pdgate.views import layout
 
 BODY = {"model": "sim-model", "messages": [{"role": "user", "content": "say hi"}], "max_tokens": 8}
 SLACK_S = 0.05  # an answer this late past its budget still counts as within it (timer and network)
@@ -167,17 +169,19 @@ def start(tmp: Path, a: argparse.Namespace, procs: list[Proc]) -> tuple[dict[str
     wait_http(pre + "/health", proc=procs[0].popen)
     wait_http(dec + "/health", proc=procs[1].popen)
     targets: dict[str, str] = {}
-    for name, enabled in (("pdgate+admission", "true"), ("pdgate-no-admission", "false")):
+    hand = a.hand_capacity
+    for name, admission in (("pdgate-learned", ""), (f"pdgate-capacity-{hand}", f"capacity = {hand}\n"),
+                            ("pdgate-no-admission", "enabled = false\n")):
         port = free_port()
         cfg = tmp / f"{name}.toml"
-        cfg.write_text(f"[gateway]\nport = {port}\nadmin_port = {free_port()}\n[admission]\nenabled = {enabled}\n"
+        cfg.write_text(f"[gateway]\nport = {port}\nadmin_port = {free_port()}\n[admission]\n{admission}"
                        "[reconcile]\nenabled = false\n" + worker_tables([(pre, bp)], [dec]))
         procs.append(Proc([py, "-m", "pdgate", "serve", "--config", str(cfg), "--log-level", "WARNING"], {},
                           tmp / f"{name}.log").start())
         targets[name] = f"http://127.0.0.1:{port}"
     routers = [("sglang-router", []), ("sglang-router+queue", [
         # its queue timeout takes whole seconds: the TTFT budget, rounded down (a request waits no longer)
-        "--max-concurrent-requests", str(a.capacity), "--queue-size", "1024",
+        "--max-concurrent-requests", str(hand), "--queue-size", "1024",
         "--queue-timeout-secs", str(max(1, int(a.ttft)))])]
     for name, extra in routers:
         port = free_port()
@@ -210,16 +214,18 @@ async def measure(a: argparse.Namespace, targets: dict[str, str], pre: str, dec:
 
 
 def report(console: Console, out: dict[str, Any]) -> None:
-    t = Table(title=f"overload: capacity {out['capacity_rps']} req/s, ttft budget {out['ttft_s']} s, total {out['total_s']} s")
-    for col in ("load", "target", "offered/s", "goodput/s", "x cap", "terminal in deadline", "shed", "shed p99 ms",
-                "504", "late", "wasted prefills"):
-        t.add_column(col, justify="right")
+    """As the CLI lays tables out (``pdgate.views.layout``): values whole, records where the columns do not fit."""
+    cols = ["target", "load", "offered/s", "goodput/s", "x cap", "terminal in deadline", "shed", "shed p99 ms",
+            "504", "late", "ok p50 ms", "wasted prefills"]
+    rows: list[list[Any]] = []
     for load, per in out["results"].items():
         for name, m in per.items():
-            t.add_row(load, name, str(m["offered_rps"]), str(m["goodput_rps"]), str(m["goodput_x_capacity"]),
+            rows.append([name, load, str(m["offered_rps"]), str(m["goodput_rps"]), str(m["goodput_x_capacity"]),
                       f"{m['terminal_within_deadline']:.1%}", str(m["shed"]), str(m["shed_p99_ms"]),
-                      str(m["deadline_504"]), str(m["late_or_unanswered"]), str(m["wasted_prefills"]))
-    console.print(t)
+                      str(m["deadline_504"]), str(m["late_or_unanswered"]), str(m["e2e_ok_p50_ms"]),
+                      str(m["wasted_prefills"])])
+    console.print(layout(f"overload: capacity {out['capacity_rps']} req/s, ttft budget {out['ttft_s']} s, total "
+                         f"{out['total_s']} s", cols, rows, console.width))
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
@@ -274,6 +280,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft", type=float, default=1.5, help="--overload: every request's TTFT budget, s")
     p.add_argument("--total", type=float, default=2.5, help="--overload: every request's total budget, s")
     p.add_argument("--prefill-s", type=float, default=0.2, help="--overload: the prefill sim's seconds per request")
-    p.add_argument("--capacity", type=int, default=2, help="--overload: the prefill's max_running_requests")
+    p.add_argument("--capacity", type=int, default=1024,
+                   help="--overload: the prefill's max_running_requests (SGLang reports thousands on a large GPU)")
+    p.add_argument("--hand-capacity", type=int, default=2, help="--overload: the real concurrency, set by hand for "
+                   "pdgate's [admission] capacity and sglang-router's --max-concurrent-requests")
     p.add_argument("--calibrate", type=float, default=6.0, help="--overload: seconds of the capacity measurement")
     p.add_argument("--seed", type=int, default=1)

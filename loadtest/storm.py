@@ -98,7 +98,12 @@ def admin_headers(a: argparse.Namespace) -> dict[str, str]:
 
 async def find_prefills(http: aiohttp.ClientSession, admin: str, headers: dict[str, str]) -> tuple[list[str], list[str]]:
     async with http.get(admin + "/v1/workers", headers=headers) as r:
-        workers = (await r.json())["workers"]
+        data = await r.json(content_type=None) if r.content_type == "application/json" else None
+    if not isinstance(data, dict) or not isinstance(data.get("workers"), list):
+        raise SystemExit(f"loadtest storm needs the gateway's admin plane (it lists the workers and their engines): "
+                         f"{admin}/v1/workers answered {r.status} without a worker list; give it with --admin URL "
+                         "(and --admin-key where the plane wants one)")
+    workers = data["workers"]
     return ([w["url"] + "/metrics" for w in workers if w["role"] == "prefill"],
             [w["id"] for w in workers if w["role"] == "decode"])
 

@@ -142,9 +142,9 @@ def gateway_args(name: str, eng: dict[str, Any], port: int, cfg: Path) -> list[s
     """The command line of gateway ``name`` (``pdgate``, ``pdgate-wK``, ``sglang-router``) on ``port``."""
     py = sys.executable
     if name.startswith("pdgate"):
-        # every stream holds an engine connection: the pool is not the limit; no access log in a benchmark; the fake
-        # engines keep no request list to reconcile with
-        cfg.write_text("[gateway]\nupstream_max_conns = 16384\naccess_log = false\n[reconcile]\nenabled = false\n"
+        # the defaults but two: no access log in a benchmark; the fake engines keep no request list to reconcile with
+        # (every stream holds an engine connection: the pool follows what the engine runs, no setting needed)
+        cfg.write_text("[gateway]\naccess_log = false\n[reconcile]\nenabled = false\n"
                        + worker_tables([(eng["prefill"], eng["bootstrap_port"])], eng["decodes"]))
         workers = int(name.split("-w", 1)[1]) if "-w" in name else 1
         return [py, "-m", "pdgate", "serve", "--config", str(cfg), "--port", str(port), "--admin-port", str(free_port()),

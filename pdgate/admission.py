@@ -31,12 +31,13 @@ from pdgate.queueing import RANKS, Entry, FairQueue, Rates
 from pdgate.record import Phase, Record
 from pdgate.rid import Ids
 from pdgate.routing import Pair, Routing
+from pdgate.workers import UNKNOWN_MAX, Worker, moved
 
 if TYPE_CHECKING:
     from pdgate.context import Ctx
     from pdgate.metrics import Metrics
     from pdgate.store.base import Store, TenantAsk
-    from pdgate.workers import Pool, Worker
+    from pdgate.workers import Pool
 
 PRIORITY_HEADER = "x-pdgate-priority"
 NO_PAIR = "no healthy prefill+decode pair is available"
@@ -124,13 +125,35 @@ class Gate:
         self.cfg, self.routing, self.store, self.metrics, self.clock = cfg, routing, store, metrics, clock
         self.queue = FairQueue()
         self.rates = Rates(cfg.window_s)
+        self.learning = cfg.enabled and cfg.learn and not cfg.capacity
         self._pumping = False
         self._again = False
 
     def on_transition(self, rec: Record, frm: Phase, to: Phase, spent: float) -> None:
-        """A record observer: dispatch to first token (prefill to decode) is the rate the queue's estimate uses."""
+        """A record observer: dispatch to first token (prefill to decode) is the rate the queue's estimate uses,
+        and the prefill's latency sample for its learned limit; a stream's mean gap between events, the
+        decode's."""
         if to is Phase.DECODE and frm is Phase.PREFILL and rec.dispatched_at is not None:
-            self.rates.first_token(rec.phase_since + spent - rec.dispatched_at)
+            now = rec.phase_since + spent
+            self.rates.first_token(now - rec.dispatched_at)
+            if self.learning and rec.attempts:
+                self.learn(rec.attempts[-1].prefill, now - rec.dispatched_at, rec.deadlines.ttft_s, now)
+        elif to is Phase.COMPLETED and self.learning and rec.chunks > 2 and rec.first_token_at is not None \
+                and rec.attempts:
+            now = rec.phase_since + spent
+            self.learn(rec.attempts[-1].decode, (now - rec.first_token_at) / (rec.chunks - 1), rec.deadlines.idle_s,
+                       now)
+
+    def learn(self, wid: str, latency: float, budget: float, now: float) -> None:
+        w = self.routing.pool.by_id.get(wid)
+        if w is not None and (lim := w.slots.learned) is not None:
+            moved(w, lim.sample(latency, budget, now, w.slots.engine or UNKNOWN_MAX))
+
+    def held_back(self, now: float) -> None:
+        """A request queues: the learned limits of the workers that are full are binding."""
+        for w in self.routing.pool.by_id.values():
+            if (lim := w.slots.learned) is not None and not w.has_room(now):
+                moved(w, lim.held_back(now, w.slots.engine or UNKNOWN_MAX))
 
     def pick(self, avoid: frozenset[int], view: RequestView, room: bool = True) -> Pair | None:
         return self.routing.pick(avoid, view, self.clock(), room)
@@ -190,6 +213,8 @@ class Gate:
         name, weight = (tenant.name, tenant.key.weight) if tenant is not None else ("", 1.0)
         if not retry:
             self.refuse_early(rec, rank, name, weight, now)
+        if self.learning:
+            self.held_back(now)
         self.metrics.queued += 1
         by_id = self.routing.pool.by_id
         try:

@@ -139,6 +139,11 @@ class AdmissionConfig:
     shed: bool = True  # answer at once a request that cannot reach its first token within its TTFT budget
     window_s: float = 10.0  # a drain-rate estimate not renewed within this (nobody waited) is not used
     engine_backoff_s: float = 5.0  # after an engine's 429/503, it gets no more requests than it holds, this long
+    learn: bool = True  # learn each worker's limit from what it serves in time (pdgate.limits); capacity set wins
+    learn_initial: int = 16  # the learned limit before anything was measured
+    learn_cap: int = 0  # the most a learned limit reaches (0: the engine's max_running_requests only)
+    learn_tolerance: float = 2.0  # latency above this many times the worker's no-load latency: it queues
+    learn_window_s: float = 10.0  # the no-load latency is the least seen within this window
 
 
 @dataclass(frozen=True)
@@ -223,7 +228,7 @@ class GatewayConfig:
     head_timeout_s: float = 10.0  # front door: a request head must arrive within this (slowloris: 408, closed)
     body_timeout_s: float = 60.0  # front door: a request body must arrive within this
     upstream_idle_s: float = 4.0  # pooled engine connections idle longer are not reused (SGLang closes them at 5 s)
-    upstream_max_conns: int = 1024  # open connections per engine; a request beyond waits (connect timeout)
+    upstream_max_conns: int = 0  # open connections per engine at least; 0: derived (its capacity + CONN_HEADROOM)
     upstream_max_idle: int = 256  # idle connections kept per engine
     max_upstream_body_bytes: int = 64 * 1024 * 1024  # a non-streaming leg's answer larger than this is a 502
     worker_api_key: str | None = None  # sent as Authorization: Bearer to the engines (SGLang's --api-key)
@@ -307,7 +312,7 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
             raise ConfigError("gateway.port", cfg.port, "must be a TCP port")
     for key in ("max_body_bytes", "trace_ring", "upstream_max_conns", "upstream_max_idle", "max_upstream_body_bytes"):
         with errs:
-            _positive(f"gateway.{key}", getattr(cfg, key), integer=True)
+            _positive(f"gateway.{key}", getattr(cfg, key), integer=True, allow_zero=key == "upstream_max_conns")
     for key in ("prefill_grace_s", "connect_timeout_s", "abort_timeout_s", "abort_defer_s", "keepalive_s",
                 "head_timeout_s", "body_timeout_s", "upstream_idle_s"):
         with errs:
@@ -346,7 +351,9 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
                           integer=f.name in ("drift_checks", "recent_rids"))
     a = cfg.admission
     for key, integer, zero in (("capacity", True, True), ("max_queue", True, False), ("window_s", False, False),
-                               ("engine_backoff_s", False, True)):
+                               ("engine_backoff_s", False, True), ("learn_initial", True, False),
+                               ("learn_cap", True, True), ("learn_tolerance", False, False),
+                               ("learn_window_s", False, False)):
         with errs:
             _positive(f"admission.{key}", getattr(a, key), integer=integer, allow_zero=zero)
     with errs:

@@ -6,6 +6,7 @@ stops it, the admin plane and the health checks read its parts.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import secrets
 import time
@@ -17,9 +18,10 @@ from pdgate import auth, otel, policies
 from pdgate.aborts import Aborts
 from pdgate.admission import Admission, Gate
 from pdgate.attempt import Attempts
-from pdgate.config import ConfigError, GatewayConfig, policy_names
+from pdgate.config import AdmissionConfig, ConfigError, GatewayConfig, policy_names
 from pdgate.engines.kinds import Engines, Factory
 from pdgate.health import Health
+from pdgate.limits import LimitRules
 from pdgate.metrics import Metrics, policy_families, worker_families
 from pdgate.observe import Observers
 from pdgate.outcome import Outcomes
@@ -30,9 +32,23 @@ from pdgate.scope import Tasks
 from pdgate.store import kinds as store_kinds
 from pdgate.traces import Traces
 from pdgate.upstream import Upstream
-from pdgate.workers import Pool, State, Worker
+from pdgate.workers import CONN_HEADROOM, UNKNOWN_MAX, Pool, State, Worker
 
 log = logging.getLogger("pdgate")
+
+
+def limit_rules(a: AdmissionConfig) -> dict[str, LimitRules] | None:
+    """Each role's rules for a learned limit (None: admission or learning off). A decode's gaps between
+    tokens may grow further than a prefill's latency before it counts as queueing: a decode batch's step
+    grows slowly with its size, and its users read at a pace."""
+    if not (a.enabled and a.learn):
+        return None
+    base = LimitRules(initial=a.learn_initial, cap=a.learn_cap or None, tolerance=a.learn_tolerance,
+                      window_s=a.learn_window_s)
+    return {"prefill": base, "decode": dataclasses.replace(base, tolerance=max(a.learn_tolerance, DECODE_TOLERANCE))}
+
+
+DECODE_TOLERANCE = 10.0
 
 
 class Gateway:
@@ -41,10 +57,12 @@ class Gateway:
         self.cfg = c = cfg
         self.clock = clock  # every part's (a test gives its own to let a minute pass)
         self.instance = cfg.instance_id or secrets.token_hex(4)
-        self.upstream = Upstream(c.connect_timeout_s, c.abort_timeout_s, c.upstream_idle_s, c.upstream_max_conns,
+        self.upstream = Upstream(c.connect_timeout_s, c.abort_timeout_s, c.upstream_idle_s,
+                                 c.upstream_max_conns or UNKNOWN_MAX + CONN_HEADROOM,
                                  c.upstream_max_idle, c.max_upstream_body_bytes, c.worker_api_key)
         self.engines = Engines(self.upstream, engines)
-        self.pool = Pool(cfg.breaker, self.engines, frozenset(cfg.models), (self._on_worker,), cfg.admission.capacity)
+        self.pool = Pool(cfg.breaker, self.engines, frozenset(cfg.models), (self._on_worker,), cfg.admission.capacity,
+                         limit_rules(cfg.admission))
         self.traces = Traces(cfg.trace_ring)
         self.metrics = Metrics(self.traces.live_phases)
         # recently ended (worker id, rid, time), bounded: count-mode reconciliation re-aborts these
@@ -58,7 +76,7 @@ class Gateway:
         self.gate = Gate(cfg.admission, self.routing, self.store, self.metrics, self.clock)  # pairs with room, or the queue
         self.obs.watch(self.gate.on_transition)
         self.tasks = Tasks()
-        self.health = Health(cfg.health, self.pool, self.gate.pump, self.clock)
+        self.health = Health(cfg.health, self.pool, self.gate.pump, self.clock, self._probed)
         self.tenants = auth.tenants(cfg.keys, cfg.deadlines)  # None: an open front door
         self.admins = auth.admins(cfg.admin_keys)  # None: an open admin plane (loopback only)
         aborts = Aborts(cfg, self.obs, self.tasks, self.clock)
@@ -81,6 +99,10 @@ class Gateway:
         self.metrics.add_collector(lambda: worker_families(
             list(self.pool.by_id.values()), self.now(), self.traces.oldest_age(self.now()),
             self.upstream.client.stale_retries))
+
+    def _probed(self, w: Worker) -> None:
+        """A health check passed: its connections follow what it can run now (never below its limit)."""
+        self.upstream.room(w.url, max(self.cfg.upstream_max_conns, w.conns()))
 
     def _on_worker(self, w: Worker, frm: State, to: State, cause: str) -> None:
         """What follows a worker's move, in one place: its live requests failed over at once when it goes

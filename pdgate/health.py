@@ -19,15 +19,17 @@ from collections.abc import Callable
 from pdgate.config import HealthConfig
 from pdgate.engines import Probe
 from pdgate.errors import one_line
-from pdgate.workers import Breaker, Pool, State, Worker
+from pdgate.workers import UNKNOWN_MAX, Breaker, Pool, State, Worker, moved
 
 log = logging.getLogger("pdgate.health")
 UNCOUNTED_FACTOR = 2  # timed-out checks in a row forgiven: this many times health.failures, then they count
 
 
 class Health:
-    def __init__(self, cfg: HealthConfig, pool: Pool, pump: Callable[[], None], clock: Callable[[], float]) -> None:
+    def __init__(self, cfg: HealthConfig, pool: Pool, pump: Callable[[], None], clock: Callable[[], float],
+                 probed: Callable[[Worker], None] = lambda w: None) -> None:
         self.cfg, self.pool, self.pump, self.clock = cfg, pool, pump, clock
+        self.probed = probed  # told after each passed check (the worker's connections follow its capacity)
         self.kicks: dict[str, asyncio.Event] = {}  # worker id -> "check me now"
 
     def kick(self, w: Worker) -> None:
@@ -68,6 +70,9 @@ class Health:
         w.slots.foreign = max(0, p.running - len(w.bound) - w.slots.others) if p.running is not None else 0
         w.checks.failures, w.checks.last_error = 0, None
         now = self.clock()
+        if w.slots.learned is not None:
+            moved(w, w.slots.learned.queue(p.waiting, now, w.slots.engine or UNKNOWN_MAX))
+        self.probed(w)
         if restarted:
             w.restarts += 1
             w.breaker.success()

@@ -296,12 +296,22 @@ def worker_families(workers: list[Any], now: float, oldest_age: float, stale_ret
     dg = GaugeMetricFamily("pdgate_worker_degraded", "1 if the worker holds our requests without progress",
                            labels=["worker"])
     ld = GaugeMetricFamily("pdgate_worker_live_requests", "Our live requests bound to the worker", labels=["worker"])
+    lim = GaugeMetricFamily("pdgate_worker_limit", "Requests the worker may hold now (admission: configured, learned or "
+                            "reported capacity; absent: no cap)", labels=["worker", "source"])
+    base = GaugeMetricFamily("pdgate_worker_baseline_latency_seconds", "The learned limit's no-load latency (prefill: "
+                             "dispatch to first token; decode: gap between events)", labels=["worker"])
     for w in workers:
+        cap = w.limit(now)
+        learned = w.slots.learned
+        if cap is not None:
+            lim.add_metric([w.id, "configured" if w.slots.configured else "learned" if learned else "engine"], float(cap))
+        if learned is not None and learned.baseline is not None:
+            base.add_metric([w.id], learned.baseline)
         up.add_metric([w.id, w.role], 1.0 if w.healthy else 0.0)
         br.add_metric([w.id], 0.0 if w.breaker.state.value == "closed" else 1.0)
         dg.add_metric([w.id], 1.0 if w.degraded else 0.0)
         ld.add_metric([w.id], float(w.load))
-    yield from (up, br, dg, ld)
+    yield from (up, br, dg, ld, lim, base)
     old = GaugeMetricFamily("pdgate_oldest_live_request_age_seconds", "Age of the oldest live request")
     old.add_metric([], oldest_age)
     yield old

@@ -45,6 +45,10 @@ class Upstream:
     async def close(self) -> None:
         self.client.close()
 
+    def room(self, url: str, n: int) -> None:
+        """At most ``n`` open connections to the engine at ``url`` (its capacity and headroom)."""
+        self.client.limit(split_url(url)[0], n)
+
     async def open(self, base: str, path: str, data: bytes, headers: bytes = b"") -> ClientResponse:
         """POST; returns once the status line and headers are in (a streamed answer). The caller releases it.
         ``headers``: encoded header lines (``h1lite.client.header_lines``)."""

@@ -17,6 +17,7 @@ path feed it; pair selection reads ``available``.
 from __future__ import annotations
 
 import enum
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,9 +25,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pdgate.config import BreakerConfig, WorkerSpec
 from pdgate.engines.base import Probe
+from pdgate.limits import Limiter, LimitRules, Move
 
 if TYPE_CHECKING:
     from pdgate.engines.base import Engine
+
+
+log = logging.getLogger("pdgate.limits")
+
+
+def moved(w: Worker, m: Move | None) -> None:
+    """A learned limit that halved or doubled says so in the log."""
+    if m is not None and m.large:
+        log.info("worker %s: learned limit %d -> %d (%s)", w.id, m.before, m.after, m.why)
 
 
 class Breaker(enum.Enum):
@@ -128,6 +139,11 @@ class Slots:
     foreign: int = 0  # requests the engine holds beyond what gateways sharing our store hold (direct clients)
     others: int = 0  # what the other gateway processes sharing our store hold on it (pdgate.store)
     share: int = 1  # the store unreachable: its capacity is divided among this many instances, last seen
+    learned: Limiter | None = None  # the limit learned from what it serves in time (pdgate.limits; None: off)
+
+
+UNKNOWN_MAX = 4096  # an engine that reports no maximum: the most of our requests (and connections) it is given
+CONN_HEADROOM = 64  # connections to an engine beyond what it runs: health checks, aborts, a leg ending
 
 
 @dataclass(eq=False)
@@ -166,8 +182,22 @@ class Worker:
 
     @property
     def capacity(self) -> int | None:
-        cap = self.slots.configured or self.slots.engine
-        return cap if cap is None or self.slots.share == 1 else max(1, cap // self.slots.share)
+        """The most requests it runs for all gateway processes: the config's capacity, else the learned limit
+        (within the engine's reported maximum), else the engine's maximum."""
+        s = self.slots
+        if s.configured:
+            cap: int | None = s.configured
+        elif s.learned is not None:
+            cap = s.learned.value(s.engine or UNKNOWN_MAX)
+        else:
+            cap = s.engine
+        return cap if cap is None or s.share == 1 else max(1, cap // s.share)
+
+    def conns(self) -> int:
+        """Connections its engine is given: what it can run (as configured, reported or, reporting nothing,
+        ``UNKNOWN_MAX``), never fewer than the learned limit, plus headroom."""
+        s = self.slots
+        return max(s.configured or s.engine or UNKNOWN_MAX, self.capacity or 0) + CONN_HEADROOM
 
     def limit(self, now: float) -> int | None:
         """How many of our requests it may hold now: its capacity less what the engine holds for others, lowered
@@ -265,7 +295,8 @@ class Worker:
             "identity": self.identity, "restarts": self.restarts, "load": self.load,
             "stalled_s": round(self.stalled_for(now), 3), "fixes": info.fixes, "models": list(info.models),
             "last_error": self.checks.last_error, "queues": info.queues, "orphans": self.orphans, "drift": self.drift,
-            "capacity": self.limit(now),
+            "capacity": self.limit(now), "engine_max": self.slots.engine, "configured": self.slots.configured,
+            "learned": self.slots.learned.view(self.slots.engine or UNKNOWN_MAX) if self.slots.learned else None,
         }
 
 
@@ -274,8 +305,9 @@ class Pool:
 
     def __init__(self, breaker: BreakerConfig, engines: Callable[[str], Engine],
                  configured_models: frozenset[str] = frozenset(), observers: tuple[WorkerObserver, ...] = (),
-                 capacity: int | None = None) -> None:
+                 capacity: int | None = None, rules: dict[str, LimitRules] | None = None) -> None:
         self._breaker = breaker
+        self._rules = rules  # by role: each worker learns its limit (None: it does not)
         self._engines = engines  # engine kind -> its adapter
         self._capacity = capacity or None
         self.observers = observers
@@ -300,8 +332,9 @@ class Pool:
             raise ValueError(f"worker id {wid!r} is taken or not a {spec.role} id")
         engine = self._engines(spec.engine)  # an unknown kind raises here, before anything is registered
         self._seq[spec.role] = max(self._seq[spec.role], int(wid[1:]) + 1)
+        rules = None if self._capacity or self._rules is None else self._rules[spec.role]
         w = Worker(wid, spec, CircuitBreaker(self._breaker), engine, self.observers,
-                   slots=Slots(configured=self._capacity))
+                   slots=Slots(configured=self._capacity, learned=Limiter(rules) if rules else None))
         self.by_id[wid] = w
         getattr(self, spec.role).append(w)
         self._kinds()

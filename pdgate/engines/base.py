@@ -26,6 +26,7 @@ class Probe:
     capacity: int | None = None  # the most requests the engine runs at once, as it reports it
     held: int | None = None  # requests the engine holds in the queues of this worker's role
     running: int | None = None  # requests it runs or queues in all (ours and others')
+    waiting: int | None = None  # requests queued for its compute in this role, not yet running (a learned limit's input)
     queues: dict[str, Any] = field(default_factory=dict)  # its queue counts, as it names them (shown)
     lists_rids: bool = False  # it answers ``held`` (exact reconciliation); else counts only
 

@@ -142,6 +142,9 @@ class SGLang:
                   queues=queues, lists_rids=info.get("pdgate_engine") is not None)
         if queues:
             p.held = sum(v for k in HELD[role] if isinstance(v := queues.get(k), int))
+        w = queues.get("num_waiting_reqs")
+        if role == "prefill" and isinstance(w, int):  # a decode's waiting ones wait for KV, not for compute
+            p.waiting = w
         if "num_running_reqs" in queues:
             p.running = sum(v for k, v in queues.items() if k in ("num_running_reqs", "num_waiting_reqs")
                             and isinstance(v, int))

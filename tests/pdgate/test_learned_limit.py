@@ -1,0 +1,88 @@
+"""The learned limit end to end (issue 27): a prefill sim serialised at about 0.1 s per request that reports
+SGLang's large ``max_running_requests`` (1024), offered about 2.5x what it serves, every request with a TTFT
+budget. With the limit learned, most of what it can serve arrives in time and nothing ends past its deadline;
+its speed halved mid-run (fault ``slow_prefill`` raised), the limit stays low and goodput follows the new speed;
+with learning switched off the gateway trusts the 1024, the engine's own queue grows and goodput collapses.
+Judged from the client's clock and the statuses it got, never from the gateway's record."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+
+from loadtest.overload import open_loop
+from pdgate.config import AdmissionConfig, HealthConfig
+from tests.pdgate.harness import make_config, start_gateway
+from tests.procs import Procs
+
+TTFT, TOTAL = 1.0, 2.0
+
+
+async def offer(url: str, rate: float, seconds: float, seed: int) -> list[tuple[float, int, float]]:
+    """Poisson arrivals (``loadtest.overload.open_loop``): (sent at, status, seconds to the answer) for each, on
+    the client's clock."""
+    reqs = await open_loop(url, rate, seconds, TTFT, TOTAL, seed)
+    return [(r["t"], r["status"], r["s"]) for r in reqs]
+
+
+def goodput(reqs: list[tuple[float, int, float]], since: float, until: float) -> float:
+    """200s within the total budget that came in [since, until], per second."""
+    good = [r for r in reqs if r[1] == 200 and r[2] <= TOTAL + 0.05 and since <= r[0] + r[2] <= until]
+    return len(good) / (until - since)
+
+
+async def run(procs: Procs, gateways: list[Any], learn: bool, change: bool) -> dict[str, Any]:
+    p = procs.sim("prefill", "--speed", "25", "--max-running-requests", "1024")  # about 0.1 s per prefill, serialised
+    d = procs.sim("decode")
+    cfg = make_config([p], [d], admission=AdmissionConfig(learn=learn), health=HealthConfig(interval_s=0.5))
+    g = await start_gateway(cfg)
+    gateways.append(g)
+    limits: list[int | None] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TOTAL + 2)) as http:
+        async def watch() -> None:
+            while True:
+                limits.append(g.gw.pool.by_id["p0"].capacity)
+                await asyncio.sleep(0.25)
+
+        w = asyncio.create_task(watch())
+        t0 = time.monotonic()
+        first = await offer(g.url, 25.0, 8.0, 1)
+        out: dict[str, Any] = {"first": goodput(first, t0 + 3.0, t0 + 8.0), "reqs": first}
+        if change:
+            async with http.post(p.url + "/pdgate/v1/faults", json={"slow_prefill": 0.1}) as r:  # half the speed
+                assert r.status == 200
+            t1 = time.monotonic()
+            limits.clear()
+            second = await offer(g.url, 25.0, 10.0, 2)
+            out["second"] = goodput(second, t1 + 5.0, t1 + 10.0)
+            out["reqs"] = first + second
+        w.cancel()
+    out["limits"] = limits
+    return out
+
+
+def check_terminal(reqs: list[tuple[float, int, float]]) -> None:
+    late = [r for r in reqs if r[1] == 0 or r[2] > TOTAL + 0.3]
+    assert not late, f"{len(late)} of {len(reqs)} past their deadline or unanswered: {late[:5]}"
+    shed = sorted(r[2] for r in reqs if r[1] in (429, 503))
+    assert not shed or shed[int(0.99 * (len(shed) - 1))] <= 0.1, f"shed answers slow: p99 {shed[-1]:.3f}s"
+
+
+async def test_the_learned_limit_keeps_goodput_and_follows_a_slower_engine(procs: Procs, gateways: list[Any]) -> None:
+    out = await run(procs, gateways, learn=True, change=True)
+    check_terminal(out["reqs"])
+    # about 9-10 prefills a second are what the engine serves; 0.1 s of it a request
+    assert out["first"] >= 6.0, f"goodput {out['first']:.1f}/s at 2.5x the ~9.6/s it serves"
+    assert out["second"] >= 3.0, f"goodput {out['second']:.1f}/s after the speed halved (~4.8/s it serves)"
+    tail = [n for n in out["limits"][-20:] if n is not None]
+    assert tail and max(tail) <= 8, f"the limit followed the slower engine down: {out['limits']}"
+
+
+async def test_without_it_the_engine_reported_figure_lets_goodput_collapse(procs: Procs, gateways: list[Any]) -> None:
+    """The mechanism switched off: the gateway trusts max_running_requests = 1024 and sends everything."""
+    out = await run(procs, gateways, learn=False, change=False)
+    assert out["first"] < 3.0, f"goodput {out['first']:.1f}/s: expected a collapse without the learned limit"
+    assert set(n for n in out["limits"] if n is not None) == {1024}

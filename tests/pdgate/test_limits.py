@@ -1,0 +1,162 @@
+"""The learned limit's rules (pdgate.limits), pure: bounded, a monotone back-off under growing delay, recovery
+after the engine speeds up again, and a closed-loop model of a serialised engine it must not overfill or empty."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdgate.limits import Limiter, LimitRules
+
+RULES = LimitRules(initial=16, floor=1, tolerance=2.0, window_s=10.0, update_s=0.5)
+
+
+def drive(lim: Limiter, t: float, latency: float, budget: float = 60.0, engine_max: int | None = 1024,
+          binding: bool = True, steps: int = 1) -> float:
+    """``steps`` updates, each with a few samples of ``latency`` (and the limit binding)."""
+    for _ in range(steps):
+        for _ in range(4):
+            lim.sample(latency, budget, t, engine_max)
+        if binding:
+            lim.held_back(t, engine_max)
+        t += RULES.update_s
+        lim.update(t, engine_max)
+    return t
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(1e-4, 100.0), st.integers(0, 50), st.booleans()), min_size=1, max_size=80),
+       st.integers(1, 5000), st.one_of(st.none(), st.integers(1, 400)))
+def test_bounded_whatever_it_sees(events: list[tuple[float, int, bool]], engine_max: int, cap: int | None) -> None:
+    lim = Limiter(LimitRules(cap=cap))
+    t = 0.0
+    for latency, waiting, bound in events:
+        t += 0.3
+        lim.sample(latency, 30.0, t, engine_max)
+        lim.queue(waiting, t, engine_max)
+        if bound:
+            lim.held_back(t, engine_max)
+        v = lim.value(engine_max)
+        assert 1 <= v <= min(engine_max, cap or math.inf)
+
+
+def test_back_off_is_monotone_while_delay_grows() -> None:
+    lim = Limiter(RULES)
+    t = drive(lim, 0.0, 0.1, steps=2)  # baseline 0.1 s
+    seen = [lim.value(1024)]
+    for k in range(1, 12):
+        t = drive(lim, t, 0.1 * (2 + k))  # ever slower: every update cuts or holds, never grows
+        seen.append(lim.value(1024))
+    assert all(b <= a for a, b in itertools.pairwise(seen)), seen
+    assert seen[-1] == 1 and seen[0] > 1
+
+
+def test_it_cuts_on_the_engines_own_queue_and_only_once_per_probe() -> None:
+    lim = Limiter(RULES)
+    t = drive(lim, 0.0, 0.1, steps=3)
+    before = lim.value(1024)
+    lim.queue(40, t + 1, 1024)
+    cut = lim.value(1024)
+    assert cut < before
+    for k in range(2, 6):  # no new probe: the same figure does not cut again
+        lim.update(t + k, 1024)
+    assert lim.value(1024) == cut
+
+
+def test_it_grows_only_when_something_waited_for_it() -> None:
+    lim = Limiter(RULES)
+    drive(lim, 0.0, 0.1, binding=False, steps=10)
+    assert lim.value(1024) == 16
+    lim2 = Limiter(RULES)
+    drive(lim2, 0.0, 0.1, binding=True, steps=10)
+    assert lim2.value(1024) == 1024  # slow start: doubles while it keeps up, up to the engine's maximum
+
+
+def test_recovery_after_the_engine_speeds_up_again() -> None:
+    lim = Limiter(RULES)
+    t = drive(lim, 0.0, 0.1, steps=2)
+    t = drive(lim, t, 1.0, steps=8)  # ten times slower: cut to the floor
+    assert lim.value(1024) == 1
+    t = drive(lim, t, 0.1, steps=20)  # fast again: it grows back
+    assert lim.value(1024) >= 16
+
+
+def test_the_ttft_budget_caps_the_latency_it_accepts() -> None:
+    lim = Limiter(RULES)
+    t = drive(lim, 0.0, 0.1, steps=2, budget=60.0)
+    t = drive(lim, t, 0.15, steps=4, budget=60.0)  # 1.5x the baseline: within tolerance, it grows
+    grown = lim.value(1024)
+    drive(lim, t, 0.15, steps=2, budget=0.2)  # but more than half of a 0.2 s budget: it cuts
+    assert lim.value(1024) < grown
+
+
+def test_no_limit_off_the_rules_even_for_an_engine_that_lowers_its_maximum() -> None:
+    lim = Limiter(RULES)
+    drive(lim, 0.0, 0.1, steps=10)
+    assert lim.value(1024) == 1024
+    assert lim.value(8) == 8
+    lim.update(100.0, 8)
+    assert lim.limit <= 8
+
+
+@pytest.mark.parametrize("service_s", [0.05, 0.2])
+def test_closed_loop_on_a_serialised_engine_is_stable(service_s: float) -> None:
+    """A model: an engine that serves one request at a time, offered more than it serves, its own queue probed
+    every 2 s. The limit settles low (the engine's queue stays short) and never empties the engine (at least one
+    in flight); when the engine's speed halves it follows within 10 s, and grows back."""
+    rng = random.Random(1)
+    lim = Limiter(RULES)
+    t, busy_until = 0.0, 0.0
+    inflight: list[float] = []  # finish times, in order
+    trace: list[tuple[float, int, float]] = []
+
+    def run(seconds: float, service: float) -> None:
+        nonlocal t, busy_until
+        end = t + seconds
+        while t < end:
+            t += 0.01
+            while inflight and inflight[0] <= t:  # completions: latency = finish - dispatch
+                done = inflight.pop(0)
+                lim.sample(done - sent.pop(0), 1.5, done, 1024)
+            while len(inflight) < lim.value(1024):  # the gateway queue always has more
+                start = max(t, busy_until)
+                busy_until = start + service * rng.uniform(0.9, 1.1)
+                inflight.append(busy_until)
+                sent.append(t)
+            lim.held_back(t, 1024)
+            if round(t * 100) % 200 == 0:  # a health check every 2 s reads the engine's own queue
+                lim.queue(max(0, len(inflight) - 1), t, 1024)
+            trace.append((t, lim.value(1024), busy_until - t))
+
+    sent: list[float] = []
+    run(20.0, service_s)
+    steady = [n for ts, n, _ in trace if ts > 10.0]
+    assert max(steady) <= 4, steady[-40:]  # the queue at the engine stays short
+    assert min(steady) >= 1
+    mark = t
+    run(15.0, 2 * service_s)  # half the speed
+    after = [n for ts, n, _ in trace if ts > mark + 10.0]
+    assert max(after) <= 4
+    mark = t
+    run(20.0, service_s / 4)  # four times faster than that
+    assert max(n for ts, n, _ in trace if ts > mark) >= 2  # it grew again
+
+
+def test_connections_follow_what_the_engine_runs() -> None:
+    """An engine's pool holds what it can run plus headroom, never below its limit (the 1,025th stream on a
+    decode that runs thousands no longer waits for a connection: tests/loadtest and BENCHMARKS.md run R)."""
+    from pdgate.config import BreakerConfig, WorkerSpec
+    from pdgate.workers import CONN_HEADROOM, UNKNOWN_MAX, CircuitBreaker, Slots, Worker
+
+    w = Worker("d0", WorkerSpec("http://127.0.0.1:1", "decode"), CircuitBreaker(BreakerConfig()), None,  # type: ignore[arg-type]
+               slots=Slots(learned=Limiter(RULES)))
+    assert w.conns() == UNKNOWN_MAX + CONN_HEADROOM, "an engine that reports nothing: the most it is given"
+    w.slots.engine = 8192
+    assert w.conns() == 8192 + CONN_HEADROOM and w.capacity == 16, "the engine's figure, not the learned 16"
+    w.slots.configured = 20000
+    assert w.conns() == 20000 + CONN_HEADROOM and w.capacity == 20000, "set by hand: that figure"
