@@ -94,6 +94,11 @@ async def test_dashboard_in_a_real_browser(procs: Procs, gateways: list[Any], tm
             recent = await asyncio.to_thread(wait_for, driver, lambda dr: "deadline_exceeded" in
                                              dr.find_element("id", "recent").text and dr.find_element("id", "recent").text)
             assert "deadline_exceeded" in recent
+            # completed requests per second over the page's refreshes: a small line once two rates are in
+            line = await asyncio.to_thread(wait_for, driver, lambda dr: dr.find_elements(
+                "css selector", "#goodspark svg polyline"))
+            assert line and "completed requests per second" in line[0].find_element("xpath", "..").get_attribute(
+                "aria-label")
         await asyncio.to_thread(driver.save_screenshot, str(tmp_path / "dashboard.png"))
         assert shot.stat().st_size > 20_000 and (tmp_path / "dashboard.png").stat().st_size > 20_000
     finally:
