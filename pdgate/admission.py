@@ -31,7 +31,7 @@ from pdgate.queueing import RANKS, Entry, FairQueue, Rates
 from pdgate.record import Phase, Record
 from pdgate.rid import Ids
 from pdgate.routing import Pair, Routing
-from pdgate.workers import UNKNOWN_MAX, Worker, moved
+from pdgate.workers import Worker, moved
 
 if TYPE_CHECKING:
     from pdgate.context import Ctx
@@ -147,13 +147,13 @@ class Gate:
     def learn(self, wid: str, latency: float, budget: float, now: float) -> None:
         w = self.routing.pool.by_id.get(wid)
         if w is not None and (lim := w.slots.learned) is not None:
-            moved(w, lim.sample(latency, budget, now, w.slots.engine or UNKNOWN_MAX))
+            moved(w, lim.sample(latency, budget, now, w.engine_max))
 
     def held_back(self, now: float) -> None:
         """A request queues: the learned limits of the workers that are full are binding."""
         for w in self.routing.pool.by_id.values():
             if (lim := w.slots.learned) is not None and not w.has_room(now):
-                moved(w, lim.held_back(now, w.slots.engine or UNKNOWN_MAX))
+                moved(w, lim.held_back(now, w.engine_max))
 
     def pick(self, avoid: frozenset[int], view: RequestView, room: bool = True) -> Pair | None:
         return self.routing.pick(avoid, view, self.clock(), room)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pdgate.config import HealthConfig
 from pdgate.engines import Probe
 from pdgate.errors import one_line
-from pdgate.workers import UNKNOWN_MAX, Breaker, Pool, State, Worker, moved
+from pdgate.workers import Breaker, Pool, State, Worker, moved
 
 log = logging.getLogger("pdgate.health")
 UNCOUNTED_FACTOR = 2  # timed-out checks in a row forgiven: this many times health.failures, then they count
@@ -71,7 +71,7 @@ class Health:
         w.checks.failures, w.checks.last_error = 0, None
         now = self.clock()
         if w.slots.learned is not None:
-            moved(w, w.slots.learned.queue(p.waiting, now, w.slots.engine or UNKNOWN_MAX))
+            moved(w, w.slots.learned.queue(p.waiting, now, w.engine_max))
         self.probed(w)
         if restarted:
             w.restarts += 1

@@ -90,8 +90,8 @@ def workers_table(data: dict[str, Any], wide: bool = False, width: int | None = 
     ws = data.get("workers", [])
     cols = ["id", "role", "url", "state", "load", "restarts", "engine queues"]
     if wide:
-        cols += ["limit", "kind", "limit from (learned: baseline/latency/target ms, moves)", "identity", "fixes", "orphans", "drift",
-                 "last error"]
+        cols += ["limit", "kind", "limit from (learned: baseline/latency/target ms, moves)", "identity", "fixes",
+                 "orphans", "drift", "last error"]
     rows = []
     for w in ws:
         state = "degraded" if w["degraded"] else ("up" if w["healthy"] else "down")
@@ -101,22 +101,20 @@ def workers_table(data: dict[str, Any], wide: bool = False, width: int | None = 
         eng = w.get("queues") or {}
         queues = " ".join(f"{k.replace('_queue_reqs', '').replace('num_', '').replace('_reqs', '')}={v}"
                           for k, v in eng.items() if v)
-        cap = w.get("capacity")
-        src = "set" if w.get("configured") else "learned" if w.get("learned") else "engine"
+        cap, learned = w.get("capacity"), w.get("learned")
+        src = "set" if w.get("configured") else learned_line(learned) if learned else "engine"
         row: list[Any] = [_s(w["id"]), _s(w["role"]), _s(w["url"]), Text(state, style=style), str(w["load"]),
                           str(w["restarts"]), _s(queues or "idle")]
         if wide:
-            row += ["-" if cap is None else str(cap), _s(w.get("kind") or "-"), _s(src if w.get("configured") or not w.get("learned")
-                                                 else learned_line(w["learned"])),_s(w.get("identity") or "-"), _s(",".join(str(f) for f in w.get("fixes") or []) or "-"),
+            row += ["-" if cap is None else str(cap), _s(w.get("kind") or "-"), _s(src), _s(w.get("identity") or "-"),
+                    _s(",".join(str(f) for f in w.get("fixes") or []) or "-"),
                     str(w.get("orphans", 0)), str(w.get("drift", 0)), _s(w.get("last_error"))]
         rows.append(row)
     return layout("workers", cols, rows, width)
 
 
-def learned_line(lv: dict[str, Any] | None) -> str:
+def learned_line(lv: dict[str, Any]) -> str:
     """A learned limit's inputs and its last moves, in one cell."""
-    if not lv:
-        return "-"
     moves = " ".join(str(h["limit"]) for h in lv.get("history", [])[-6:])
     return (f"{lv.get('baseline_ms')}/{lv.get('latency_ms')}/{lv.get('target_ms')}"
             + (f" q={lv['engine_waiting']}" if lv.get("engine_waiting") is not None else "")

@@ -188,16 +188,21 @@ class Worker:
         if s.configured:
             cap: int | None = s.configured
         elif s.learned is not None:
-            cap = s.learned.value(s.engine or UNKNOWN_MAX)
+            cap = s.learned.value(self.engine_max)
         else:
             cap = s.engine
         return cap if cap is None or s.share == 1 else max(1, cap // s.share)
+
+    @property
+    def engine_max(self) -> int:
+        """The most the engine runs as it reports it (``UNKNOWN_MAX`` where it reports none)."""
+        return self.slots.engine or UNKNOWN_MAX
 
     def conns(self) -> int:
         """Connections its engine is given: what it can run (as configured, reported or, reporting nothing,
         ``UNKNOWN_MAX``), never fewer than the learned limit, plus headroom."""
         s = self.slots
-        return max(s.configured or s.engine or UNKNOWN_MAX, self.capacity or 0) + CONN_HEADROOM
+        return max(s.configured or self.engine_max, self.capacity or 0) + CONN_HEADROOM
 
     def limit(self, now: float) -> int | None:
         """How many of our requests it may hold now: its capacity less what the engine holds for others, lowered
@@ -296,7 +301,7 @@ class Worker:
             "stalled_s": round(self.stalled_for(now), 3), "fixes": info.fixes, "models": list(info.models),
             "last_error": self.checks.last_error, "queues": info.queues, "orphans": self.orphans, "drift": self.drift,
             "capacity": self.limit(now), "engine_max": self.slots.engine, "configured": self.slots.configured,
-            "learned": self.slots.learned.view(self.slots.engine or UNKNOWN_MAX) if self.slots.learned else None,
+            "learned": self.slots.learned.view(self.engine_max) if self.slots.learned else None,
         }
 
 

@@ -428,6 +428,34 @@ async def test_pool_caps_open_connections_per_origin() -> None:
             client.close()
 
 
+@pytest.mark.parametrize("raise_it", [True, False])
+async def test_a_raised_cap_lets_the_waiting_requests_go_at_once(raise_it: bool) -> None:
+    """Connections follow capacity (issue 27): a request waiting at the pool's cap opens its own connection as soon
+    as the cap is raised (``Client.limit`` wakes it); left as it is, it waits for the first one to end."""
+    gate = asyncio.Event()
+
+    async def slow(w: asyncio.StreamWriter) -> None:
+        await gate.wait()
+        w.write(OK)
+        await w.drain()
+
+    client = Client(connect_timeout_s=1.0, max_open=1)
+    async with RawEngine(lambda n: slow) as eng:
+        try:
+            first = asyncio.create_task(client.fetch(eng.base, "GET", "/x"))
+            await asyncio.sleep(0.05)
+            second = asyncio.create_task(client.fetch(eng.base, "GET", "/x"))
+            await asyncio.sleep(0.05)
+            if raise_it:
+                client.limit(eng.base, 2)
+            await asyncio.sleep(0.2)
+            assert eng.connections == (2 if raise_it else 1)
+            gate.set()
+            assert [await first, await second] == [(200, b"ok")] * 2
+        finally:
+            client.close()
+
+
 @pytest.mark.parametrize("limit", [1 << 20, None])
 async def test_a_huge_answer_is_bounded(limit: int | None) -> None:
     """An engine (or anything registered as one) answering 2 GiB: the read stops at the limit with a clear
