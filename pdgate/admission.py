@@ -50,16 +50,18 @@ class Admission:
     def __init__(self, cfg: GatewayConfig, pool: Pool, ids: Ids, clock: Callable[[], float]) -> None:
         self.cfg, self.pool, self.ids, self.clock = cfg, pool, ids, clock
 
-    def admit(self, request: Request, route: str,
-              tenant: Tenant | None) -> tuple[Record, dict[str, Any], TenantAsk | None]:
-        """The request's record (live from here on), the body to send to the engines and its key's claim."""
+    def admit(self, request: Request, route: str, tenant: Tenant | None, body: dict[str, Any] | None = None,
+              shown: str | None = None) -> tuple[Record, dict[str, Any], TenantAsk | None]:
+        """The request's record (live from here on), the body to send to the engines and its key's claim.
+        ``body``: made by the route from the client's (``/v1/responses``), whose path is ``shown`` on the record."""
         raw = request.body
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise InvalidJSON("request body must be a JSON object")
+        if body is None:
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
+            if not isinstance(body, dict):
+                raise InvalidJSON("request body must be a JSON object")
         model, stream = validation.validate(route, body)
         known = self.pool.models()
         if tenant is not None and not tenant.allows(model, known):
@@ -74,7 +76,7 @@ class Admission:
         cfg = self.cfg
         dl = deadlines.resolve(now, request.headers, body.pop("timeout", None), cfg.models.get(model or ""),
                                tenant.deadlines if tenant is not None else cfg.deadlines)
-        rec = Record(id=self.ids.new(), route=route, model=model, stream=stream, created=now, created_wall=time.time(),
+        rec = Record(id=self.ids.new(), route=shown or route, model=model, stream=stream, created=now, created_wall=time.time(),
                      deadlines=dl, client_request_id=request.headers.get("x-request-id"), body_bytes=len(raw))
         rec.priority = priority(request, tenant)
         ask = None

@@ -187,6 +187,17 @@ class OtelConfig:
 
 
 @dataclass(frozen=True)
+class ResponsesConfig:
+    """Stored responses of ``/v1/responses`` (``store`` true, the default): what ``previous_response_id`` and
+    ``GET /v1/responses/{id}`` read, per tenant, in the store (embedded: this process's memory; Redis: shared)."""
+
+    ttl_s: float = 3600.0  # a stored response is forgotten this long after it was written
+    max_stored: int = 10_000  # per tenant: beyond it the oldest goes first
+    max_response_bytes: int = 4 * 1024 * 1024  # a response whose conversation is larger is not stored (logged)
+    max_total_bytes: int = 256 * 1024 * 1024  # embedded store: all tenants' together (Redis: its own maxmemory)
+
+
+@dataclass(frozen=True)
 class AdminKey:
     name: str  # who did it, in the audit log
     hash: str
@@ -258,6 +269,7 @@ class GatewayConfig:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     otel: OtelConfig = field(default_factory=OtelConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
+    responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     prefill: tuple[WorkerSpec, ...] = ()
     decode: tuple[WorkerSpec, ...] = ()
 
@@ -356,6 +368,9 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
                                ("learn_window_s", False, False)):
         with errs:
             _positive(f"admission.{key}", getattr(a, key), integer=integer, allow_zero=zero)
+    for f in dataclasses.fields(cfg.responses):
+        with errs:
+            _positive(f"responses.{f.name}", getattr(cfg.responses, f.name), integer=f.name != "ttl_s")
     with errs:
         _positive("breaker.failures", cfg.breaker.failures, integer=True)
     with errs:
@@ -577,7 +592,7 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
     sections: dict[str, Any] = {}
     for name, cls in (("deadlines", DeadlineConfig), ("health", HealthConfig), ("breaker", BreakerConfig),
                       ("reconcile", ReconcileConfig), ("admission", AdmissionConfig), ("routing", RoutingConfig),
-                      ("otel", OtelConfig), ("store", StoreConfig)):
+                      ("otel", OtelConfig), ("store", StoreConfig), ("responses", ResponsesConfig)):
         raw = data.pop(name, {})
         sections[name] = cls()  # a section with errors is checked no further (its defaults stand in for it)
         with errs:
@@ -617,7 +632,8 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
     return cfg
 
 
-SECTIONS = ("gateway", "deadlines", "health", "breaker", "reconcile", "admission", "routing", "otel", "store", "models",
+SECTIONS = ("gateway", "deadlines", "health", "breaker", "reconcile", "admission", "routing", "otel", "store", "responses",
+            "models",
             "prefill", "decode", "keys", "admin_keys")
 
 

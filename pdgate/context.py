@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from h1lite.server import Request, Stream
 from pdgate.policies import RequestView
@@ -14,11 +14,26 @@ from pdgate.scope import Reason, Scope, Watchdog
 
 if TYPE_CHECKING:
     from pdgate.auth import Tenant
+    from pdgate.errors import GatewayError
     from pdgate.store.base import TenantAsk
 
 
+class Front(Protocol):
+    """What the client is answered in, when that is not what the engines speak (``pdgate.responses.Events``): the
+    engine's whole SSE events translated (``feed``), and the gateway's own end of a started stream (``failed``)."""
+
+    def start(self, rec: Record) -> None: ...
+
+    def session_for(self, rec: Record) -> str | None:
+        """The session of a request that names none."""
+
+    def feed(self, events: bytes, sep: bytes) -> bytes: ...
+
+    def failed(self, err: GatewayError) -> bytes: ...
+
+
 class Ctx:
-    __slots__ = ("ask", "body", "done", "holds", "loop", "rec", "request", "resp", "route", "scope", "span", "stream_error", "tenant",
+    __slots__ = ("ask", "body", "done", "front", "holds", "loop", "rec", "request", "resp", "route", "scope", "span", "stream_error", "tenant",
                  "view", "watchdog")
 
     def __init__(self, request: Request, rec: Record, route: str, body: dict[str, Any], view: RequestView,
@@ -33,6 +48,7 @@ class Ctx:
         self.resp: Stream | None = None  # the client's stream, once its head went out
         self.stream_error: str | None = None  # the engine's own error event went out on it
         self.done = False  # its stream's [DONE] went out: the client has its whole answer, nothing follows it
+        self.front: Front | None = None  # the client's protocol where it is not the engines' (/v1/responses)
         self.ask: TenantAsk | None = None  # its key's claim on its limits (taken with its first pair)
         self.holds = False  # it holds one of its key's live requests (given back when it ends)
         self.loop = request.loop

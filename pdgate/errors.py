@@ -19,6 +19,7 @@
     │   ├── UpstreamConnectError       502 upstream_connect_error
     │   ├── UpstreamStatus             502 upstream_5xx | upstream_unauthorized (401/403) | the engine's 4xx passed through
     │   └── WorkerLost                 502 worker_restarted (worker, role and cause as fields)
+    ├── StoreUnavailable               503 store_unavailable (stored responses: the shared store did not answer)
     ├── Draining                       503 gateway_draining (the gateway stopped before the answer was done)
     ├── DeadlineExceeded               504 deadline_exceeded
     └── Aborted                        499 request_aborted (client left or operator abort)
@@ -171,6 +172,12 @@ class WorkerLost(UpstreamError):
     def __init__(self, message: str, *, role: str, worker: str, cause: str) -> None:
         super().__init__(message, role=role, worker=worker)
         self.cause = cause
+
+
+class StoreUnavailable(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    code = "store_unavailable"
 
 
 class Draining(GatewayError):

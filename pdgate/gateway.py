@@ -26,6 +26,7 @@ from pdgate.metrics import Metrics, policy_families, worker_families
 from pdgate.observe import Observers
 from pdgate.outcome import Outcomes
 from pdgate.proxy import Pipeline
+from pdgate.responses_api import ResponsesRoute
 from pdgate.rid import Ids
 from pdgate.routing import Routing
 from pdgate.scope import Tasks
@@ -85,6 +86,7 @@ class Gateway:
         self.pipeline = Pipeline(Admission(cfg, self.pool, Ids(self.instance), self.clock), attempts,
                                  Outcomes(self.obs, self.store, self.clock), self.obs, cfg.routing.session_header,
                                  self.clock)
+        self.responses = ResponsesRoute(self.pipeline, self.store, cfg.responses, self.clock)
         self.live = self.pipeline.live
         self.metrics.queue_depth = lambda: self.gate.queue.n
         self.metrics.models = self.pool.models

@@ -75,7 +75,7 @@ class Outcomes:
             return ctx.resp or Response(body, status, headers={"x-request-id": rec.id})
         if ctx.resp is not None:  # headers already sent: an error event, then [DONE] (the stream ends next)
             if not ctx.resp.proto.closed:
-                ctx.resp.send(sse_error_event(err))
+                ctx.resp.send(ctx.front.failed(err) if ctx.front is not None else sse_error_event(err))
             return ctx.resp
         return Response(error_json(err), err.status, headers={**(err.headers or {}), "x-request-id": rec.id})
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from h1lite.server import ClientGone, Request, Response, Stream
 from pdgate.admission import Admission
 from pdgate.attempt import Attempts
 from pdgate.auth import Tenant
-from pdgate.context import Ctx
+from pdgate.context import Ctx, Front
 from pdgate.errors import GatewayError
 from pdgate.observe import Observers
 from pdgate.outcome import Outcomes
@@ -39,14 +40,22 @@ class Pipeline:
         self.clock = clock
         self.live: dict[str, Ctx] = {}  # live request id -> its context (and cancel scope)
 
-    def handle(self, request: Request, route: str) -> Awaitable[Response | Stream]:
-        """Admit the request (a refusal raises here) and return its life to be awaited (no frame of its own)."""
+    def handle(self, request: Request, route: str, body: dict[str, Any] | None = None, shown: str | None = None,
+               front: Front | None = None, session: str | None = None) -> Awaitable[Response | Stream]:
+        """Admit the request (a refusal raises here) and return its life to be awaited (no frame of its own). A
+        route that speaks another protocol to the client (``/v1/responses``) gives the engines' ``body``, its own
+        path (``shown``), its ``front`` and the session it continues."""
         tenant = request.state if isinstance(request.state, Tenant) else None
-        rec, body, ask = self.admission.admit(request, route, tenant)
-        view = RequestView(route, rec.model, body, session_key(rec.tenant, request.headers.get(self.session_header),
-                                                               body))
+        rec, body, ask = self.admission.admit(request, route, tenant, body, shown)
+        if front is not None:
+            front.start(rec)
+        key = (session_key(rec.tenant, request.headers.get(self.session_header), body) or session
+               or (front.session_for(rec) if front is not None else None))
+        rec.session = key
+        view = RequestView(route, rec.model, body, key)
         ctx = Ctx(request, rec, route, body, view, tenant, self.clock)
         ctx.ask = ask
+        ctx.front = front
         self.obs.admitted(ctx)
         return self.serve(ctx)
 

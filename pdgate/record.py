@@ -149,6 +149,7 @@ class Record:
     estimate: int = 0  # tokens charged to the key's tokens_per_min at admission (settled at the end)
     prompt_estimate: int = 0  # of it, for the prompt (settled with what the engine reports it read)
     cached_tokens: int | None = None  # of the prompt, found in the prefill's cache (as the engine reports it)
+    session: str | None = None  # its session key (per tenant), as the routing policies saw it
 
     def __post_init__(self) -> None:
         self.phase_since = self.created

@@ -161,6 +161,8 @@ class Relay:
         w.last_progress = now  # Worker.progress, inlined for the one case of every read
         if w.state is DEGRADED:
             w.progress(now)
+        if ctx.front is not None:  # the client speaks another protocol (/v1/responses)
+            events = ctx.front.feed(events, fr.sep)
         out.send(events)
         if out.blocked:  # back-pressure: stop reading the decode until the client takes more
             self.upstream.pause()

@@ -38,6 +38,7 @@ from pdgate.config import ConfigError, GatewayConfig, is_loopback
 from pdgate.control import Control, WorkerSupervisor, reachable_url
 from pdgate.errors import Forbidden, Unauthorized, one_line
 from pdgate.gateway import Gateway
+from pdgate.responses import RESPONSES
 
 log = logging.getLogger("pdgate.server")
 
@@ -99,7 +100,7 @@ def refused(app: App) -> Callable[[Request, HTTPError], None]:
     fmt = app.cfg.log_format
 
     def log_refusal(request: Request, exc: HTTPError) -> None:
-        if request.path in GENERATION and access_log.enabled():
+        if (request.path in GENERATION or request.path == RESPONSES) and access_log.enabled():
             tenant = request.state.name if isinstance(request.state, Tenant) else None
             access_log.emit(access_log.refused_fields(request.path, exc.status, exc.code, tenant,
                                                       time.monotonic() - request.started), fmt)
@@ -210,6 +211,9 @@ class App:
         self.router = front = Router()
         for route in GENERATION:
             front.add("POST", route, functools.partial(self.gw.pipeline.handle, route=route))
+        front.add("POST", RESPONSES, self.gw.responses.create)
+        front.add("GET", RESPONSES + "/{id}", self.gw.responses.get)
+        front.add("DELETE", RESPONSES + "/{id}", self.gw.responses.delete)
 
         def on(plane: str, method: str, path: str, handler: Any) -> peers.Handler:
             return peers.fanned(self.peers, plane, method, path, functools.partial(handler, ctl))

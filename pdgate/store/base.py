@@ -4,7 +4,8 @@
 Held in a store: the tenants' limits (live requests as counts per instance, requests and tokens per minute as
 buckets), what each instance holds on each worker (so a worker's capacity holds in sum), the instance registry
 (heartbeats with a lease: an instance is gone only when its entry expired), each instance's live rids per worker
-(so survivors abort a dead one's requests on engines that list nothing), and the worker set (versioned). Nothing
+(so survivors abort a dead one's requests on engines that list nothing), the worker set (versioned), and the
+stored responses of ``/v1/responses`` (per tenant, with a TTL and a count bound). Nothing
 else: health, breakers, traces stay per process. The embedded store holds it for one process; Redis for several.
 """
 
@@ -12,7 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from pdgate.config import ResponsesConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,3 +100,15 @@ class Store(Protocol):
 
     async def seed_workers(self, specs: list[dict[str, Any]]) -> None:
         """The config's workers, when the store has no worker set yet."""
+
+    # ---- stored responses (/v1/responses with store: per tenant, bounded) -------------------------------
+    async def put_response(self, tenant: str, rid: str, blob: bytes, now: float, limits: ResponsesConfig) -> bool:
+        """Keep ``blob`` as ``tenant``'s response ``rid`` for ``limits.ttl_s``, the tenant's oldest going beyond
+        ``limits.max_stored`` (False: not kept, the store could not be reached)."""
+
+    async def get_response(self, tenant: str, rid: str, now: float) -> bytes | None:
+        """``tenant``'s response ``rid`` (None: unknown, expired, or another tenant's). Raises
+        ``StoreUnavailable`` when the store cannot say."""
+
+    async def delete_response(self, tenant: str, rid: str) -> bool:
+        """Forget ``tenant``'s response ``rid``; whether it was there. Raises ``StoreUnavailable``."""

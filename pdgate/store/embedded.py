@@ -10,11 +10,15 @@ its limits divided among the instances it last saw, while Redis cannot be reache
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdgate.auth import Bucket
 from pdgate.store.base import Beat, Grant, TenantAsk
+
+if TYPE_CHECKING:
+    from pdgate.config import ResponsesConfig
 
 
 class EmbeddedStore:
@@ -25,6 +29,11 @@ class EmbeddedStore:
         self.share = share  # into how many instances the limits are divided (1: this one alone)
         self.live: dict[str, int] = {}
         self.buckets: dict[tuple[str, str], Bucket] = {}
+        # stored responses: per tenant, oldest first, (expires at, blob); and every tenant's in one order (the bytes
+        # bound takes the oldest of anyone's)
+        self.responses: dict[str, OrderedDict[str, tuple[float, bytes]]] = {}
+        self.response_order: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self.response_bytes = 0
 
     async def start(self, instance: str, on_workers: Callable[[], None]) -> None:
         return None
@@ -107,3 +116,40 @@ class EmbeddedStore:
 
     async def seed_workers(self, specs: list[dict[str, Any]]) -> None:
         return None
+
+    # ---- stored responses -----------------------------------------------------------------------------
+    async def put_response(self, tenant: str, rid: str, blob: bytes, now: float, limits: ResponsesConfig) -> bool:
+        self._drop(tenant, rid)
+        mine = self.responses.setdefault(tenant, OrderedDict())
+        mine[rid] = (now + limits.ttl_s, blob)
+        self.response_order[(tenant, rid)] = None
+        self.response_bytes += len(blob)
+        while mine and (len(mine) > limits.max_stored or next(iter(mine.values()))[0] <= now):
+            self._drop(tenant, next(iter(mine)))
+        while self.response_bytes > limits.max_total_bytes and self.response_order:
+            self._drop(*next(iter(self.response_order)))
+        return True
+
+    async def get_response(self, tenant: str, rid: str, now: float) -> bytes | None:
+        mine = self.responses.get(tenant)
+        hit = mine.get(rid) if mine is not None else None
+        if hit is None:
+            return None
+        if hit[0] <= now:
+            self._drop(tenant, rid)
+            return None
+        return hit[1]
+
+    async def delete_response(self, tenant: str, rid: str) -> bool:
+        return self._drop(tenant, rid)
+
+    def _drop(self, tenant: str, rid: str) -> bool:
+        mine = self.responses.get(tenant)
+        hit = mine.pop(rid, None) if mine is not None else None
+        if hit is None:
+            return False
+        self.response_bytes -= len(hit[1])
+        self.response_order.pop((tenant, rid), None)
+        if not mine:
+            del self.responses[tenant]
+        return True

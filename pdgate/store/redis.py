@@ -11,6 +11,8 @@ Keys (under ``prefix``; one Redis, not a cluster: the scripts name keys they bui
     bucket:<tenant>:<kind> a key's requests or tokens per minute: level and time (refilled on Redis's clock)
     workers, workers:v     the worker set (id -> JSON) and its version; workers:n:<role> the next id's number
     reap:<id>              who cleans up a gone instance's rids (one survivor)
+    resp:<tenant>:<id>     a stored response (/v1/responses), with a PX TTL; ids hold no ':' (checked before)
+    resps:<tenant>         its tenant's stored ids by time written (the count bound takes the oldest)
 
 A request with something to agree on (a key with limits, a worker with a capacity) costs one round trip on
 its path (``ACQUIRE``: the key's limits and a slot on each worker, all or nothing); one with nothing to agree
@@ -41,7 +43,8 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from pdgate.config import StoreConfig
+from pdgate.config import ResponsesConfig, StoreConfig
+from pdgate.errors import StoreUnavailable
 from pdgate.store.base import Beat, Grant, TenantAsk
 from pdgate.store.embedded import EmbeddedStore
 
@@ -250,6 +253,25 @@ redis.call('PUBLISH', p .. 'workers', redis.call('INCR', p .. 'workers:v'))
 return 1
 """
 
+# ARGV: prefix, tenant, id, blob, ttl ms, most kept: written, the tenant's oldest beyond the bound forgotten
+PUT_RESPONSE = """
+local p, t, id = ARGV[1], ARGV[2], ARGV[3]
+local ttl, most = tonumber(ARGV[5]), tonumber(ARGV[6])
+local tm = redis.call('TIME')
+local now = tonumber(tm[1]) * 1000 + math.floor(tonumber(tm[2]) / 1000)
+local idx = p .. 'resps:' .. t
+redis.call('SET', p .. 'resp:' .. t .. ':' .. id, ARGV[4], 'PX', ttl)
+redis.call('ZADD', idx, now, id)
+redis.call('ZREMRANGEBYSCORE', idx, '-inf', now - ttl)
+local n = redis.call('ZCARD', idx)
+if n > most then
+  for _, old in ipairs(redis.call('ZRANGE', idx, 0, n - most - 1)) do redis.call('DEL', p .. 'resp:' .. t .. ':' .. old) end
+  redis.call('ZREMRANGEBYRANK', idx, 0, n - most - 1)
+end
+redis.call('PEXPIRE', idx, ttl)
+return 1
+"""
+
 
 def secret(cfg: StoreConfig) -> str | None:
     if cfg.password_file:
@@ -271,7 +293,8 @@ class RedisStore:
                                          max_connections=64)
         self.scripts = {name: self.r.register_script(src) for name, src in (
             ("acquire", ACQUIRE), ("give_back", GIVE_BACK), ("beat", BEAT), ("gone", GONE), ("forget", FORGET),
-            ("add_worker", ADD_WORKER), ("remove_worker", REMOVE_WORKER), ("seed", SEED))}
+            ("add_worker", ADD_WORKER), ("remove_worker", REMOVE_WORKER), ("seed", SEED),
+            ("put_response", PUT_RESPONSE))}
         self.instance = ""
         self.instances_seen = 1  # live instances at the last heartbeat (the fallback divides limits by it)
         self.local = EmbeddedStore(cfg.lease_s, lambda: self.instances_seen)
@@ -583,6 +606,41 @@ class RedisStore:
                             self.on_workers()
             except (RedisError, OSError, ValueError):
                 await asyncio.sleep(1.0)
+
+    # ---- stored responses ---------------------------------------------------------------------------------
+    async def put_response(self, tenant: str, rid: str, blob: bytes, now: float, limits: ResponsesConfig) -> bool:
+        try:
+            async with asyncio.timeout(self.cfg.timeout_s * 4):  # a blob of up to max_response_bytes
+                await self.scripts["put_response"](args=[self.prefix, tenant, rid, blob, int(limits.ttl_s * 1000),
+                                                         limits.max_stored])
+        except (RedisError, OSError) as exc:
+            self._lost(exc)
+            log.warning("response %s not stored: the store %s did not answer (%s)", rid, self.cfg.url,
+                        exc.__class__.__name__)
+            return False
+        return True
+
+    async def get_response(self, tenant: str, rid: str, now: float) -> bytes | None:
+        try:
+            async with asyncio.timeout(self.cfg.timeout_s * 4):
+                got = await self.r.get(f"{self.prefix}resp:{tenant}:{rid}")
+        except (RedisError, OSError) as exc:
+            self._lost(exc)
+            raise StoreUnavailable(f"stored responses cannot be read: the store did not answer "
+                                   f"({exc.__class__.__name__})") from None
+        return got if isinstance(got, bytes) or got is None else got.encode()
+
+    async def delete_response(self, tenant: str, rid: str) -> bool:
+        try:
+            async with asyncio.timeout(self.cfg.timeout_s * 4), self.r.pipeline(transaction=True) as pipe:
+                pipe.delete(f"{self.prefix}resp:{tenant}:{rid}")
+                pipe.zrem(f"{self.prefix}resps:{tenant}", rid)
+                gone, _ = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            self._lost(exc)
+            raise StoreUnavailable(f"stored responses cannot be changed: the store did not answer "
+                                   f"({exc.__class__.__name__})") from None
+        return bool(gone)
 
 
 def _grant(got: list[bytes]) -> Grant:

@@ -1,0 +1,418 @@
+"""The Responses API (``/v1/responses``) in terms of the engines' chat completions: the request translated to a
+chat body, the chat answer (whole, or its SSE events) translated back (``docs/responses.md``: why translate
+rather than pass through, and what is supported).
+
+Pure data: no I/O, no clock of its own. ``to_chat`` makes the chat body and the round's messages (what a
+continuation by ``previous_response_id`` resends); ``answer`` turns a chat completion into a Response object;
+``Events`` turns a chat stream into the Responses event sequence (``response.created``, output items and content
+parts, ``response.output_text.delta``, ``response.function_call_arguments.delta``, the ``.done`` events, and one
+terminal event: ``response.completed``, ``response.incomplete`` or ``response.failed``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import orjson
+
+from pdgate.errors import GatewayError, InvalidField
+
+RESPONSES = "/v1/responses"
+ID = re.compile(r"resp_[A-Za-z0-9_.-]{1,160}")  # what a stored response's id may be (never a ':': see store/redis)
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+# accepted and not acted on (OpenAI's own fields that change nothing an engine does here)
+IGNORED = frozenset(("include", "truncation", "reasoning", "prompt_cache_key", "prompt_cache_retention",
+                     "safety_identifier", "service_tier", "top_logprobs", "max_tool_calls", "context_management",
+                     "prompt_cache_options", "stream_options"))
+PASSED = ("temperature", "top_p", "parallel_tool_calls", "user", "timeout", "seed", "stop", "frequency_penalty",
+          "presence_penalty")
+MAX_ITEMS = 10_000
+
+
+def response_id(request_id: str) -> str:
+    """A response's id: its request's (the trace of a request is found by either)."""
+    return "resp_" + request_id
+
+
+def request_id(resp_id: str) -> str | None:
+    return resp_id[5:] if resp_id.startswith("resp_") else None
+
+
+def _text_parts(content: Any, where: str, images: bool) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidField(f"'{where}.content' must be a string or a list of content parts", param=f"{where}.content")
+    parts: list[dict[str, Any]] = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_text", "output_text", "text", "refusal") and isinstance(part.get("text", part.get("refusal")), str):
+            parts.append({"type": "text", "text": part.get("text", part.get("refusal"))})
+        elif kind == "input_image" and images and isinstance(part.get("image_url"), str):
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            raise InvalidField(f"'{where}.content[{j}]' of type {kind!r} is not supported here (text parts"
+                               f"{', input_image with image_url' if images else ''})", param=f"{where}.content")
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def messages_of(items: Any) -> list[dict[str, Any]]:
+    """``input`` (a string, or a list of items) as chat messages."""
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise InvalidField("'input' must be a string or a non-empty list of items", param="input")
+    if len(items) > MAX_ITEMS:
+        raise InvalidField(f"'input' holds {len(items)} items; at most {MAX_ITEMS}", param="input")
+    out: list[dict[str, Any]] = []
+    for i, it in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(it, dict):
+            raise InvalidField(f"'{where}' must be an object", param="input")
+        kind = it.get("type", "message" if "role" in it else None)
+        if kind == "message":
+            role = ROLES.get(it.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                raise InvalidField(f"'{where}.role' must be one of {', '.join(ROLES)}, got {it.get('role')!r}",
+                                   param="input")
+            out.append({"role": role, "content": _text_parts(it.get("content"), where, role == "user")})
+        elif kind == "function_call":
+            call_id, name, args = it.get("call_id"), it.get("name"), it.get("arguments", "")
+            if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(args, str)):
+                raise InvalidField(f"'{where}' (function_call) needs call_id, name and arguments as strings",
+                                   param="input")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)  # parallel calls: one assistant message, as chat has them
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = it.get("call_id"), it.get("output")
+            if not isinstance(call_id, str):
+                raise InvalidField(f"'{where}' (function_call_output) needs a call_id string", param="input")
+            text = output if isinstance(output, str) else _text_parts(output, where, False)
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text if isinstance(text, str) else ""})
+        elif kind == "reasoning":
+            continue  # a model's reasoning item: the engines here are not given it back
+        else:
+            raise InvalidField(f"'{where}' of type {kind!r} is not supported here (message, function_call, "
+                               "function_call_output, reasoning)", param="input")
+    return out
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise InvalidField("'tools' must be a list", param="tools")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+            kind = t.get("type") if isinstance(t, dict) else None
+            raise InvalidField(f"'tools[{i}]' of type {kind!r} is not supported here: function tools only (name, "
+                               "description, parameters, strict)", param="tools")
+        fn = {"name": t["name"], **{k: t[k] for k in ("description", "parameters", "strict") if t.get(k) is not None}}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise InvalidField(f"'tool_choice' must be auto, none, required or {{\"type\": \"function\", \"name\": ...}}, got "
+                       f"{choice!r}", param="tool_choice")
+
+
+def _format(text: Any) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema" and isinstance(fmt.get("schema"), dict):
+        js = {"name": fmt.get("name") or "response", "schema": fmt["schema"],
+              **({"strict": fmt["strict"]} if isinstance(fmt.get("strict"), bool) else {})}
+        return {"type": "json_schema", "json_schema": js}
+    raise InvalidField("'text.format' must be text, json_object, or json_schema with a schema", param="text.format")
+
+
+def to_chat(body: dict[str, Any], history: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The chat body for a Responses request, and this round's input as chat messages (``history``: the stored
+    conversation ``previous_response_id`` continues, instructions never carried over, as OpenAI has it)."""
+    for key in ("background", "conversation", "prompt"):
+        if body.get(key):
+            raise InvalidField(f"'{key}' is not supported by this gateway", param=key)
+    if "input" not in body:
+        raise InvalidField("'input' is required", param="input")
+    turn = messages_of(body["input"])
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise InvalidField("'instructions' must be a string", param="instructions")
+    chat: dict[str, Any] = {"model": body.get("model"),
+                            "messages": ([{"role": "system", "content": instructions}] if instructions else [])
+                            + history + turn}
+    for key in PASSED:
+        if key in body and body[key] is not None:
+            chat[key] = body[key]
+    if body.get("max_output_tokens") is not None:
+        chat["max_completion_tokens"] = body["max_output_tokens"]
+    if body.get("tools"):
+        chat["tools"] = _tools(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    fmt = _format(body.get("text"))
+    if fmt is not None:
+        chat["response_format"] = fmt
+    if body.get("stream") is not None:
+        chat["stream"] = body["stream"]
+        if body["stream"] is True:
+            chat["stream_options"] = {"include_usage": True}
+    store, meta = body.get("store", True), body.get("metadata")
+    if not isinstance(store, bool):
+        raise InvalidField(f"'store' must be true or false, got {store!r}", param="store")
+    if meta is not None and not (isinstance(meta, dict) and len(meta) <= 16
+                                 and all(isinstance(v, str) and len(v) <= 512 for v in meta.values())):
+        raise InvalidField("'metadata' must be an object of at most 16 string values", param="metadata")
+    return chat, turn
+
+
+def usage_of(u: Any) -> dict[str, Any] | None:
+    """A chat ``usage`` as the Responses API's."""
+    if not isinstance(u, dict):
+        return None
+    details = u.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    inp, out = u.get("prompt_tokens") or 0, u.get("completion_tokens") or 0
+    return {"input_tokens": inp, "input_tokens_details": {"cached_tokens": cached or 0},
+            "output_tokens": out, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": inp + out}
+
+
+def shell(body: dict[str, Any], rid: str, created: int, status: str) -> dict[str, Any]:
+    """A Response object with what the request asked for, its output still empty."""
+    tools = body.get("tools") or []
+    return {"id": rid, "object": "response", "created_at": created, "status": status, "background": False,
+            "error": None, "incomplete_details": None, "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"), "metadata": body.get("metadata") or {},
+            "model": body.get("model"), "output": [], "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "previous_response_id": body.get("previous_response_id"), "reasoning": {"effort": None, "summary": None},
+            "store": body.get("store", True), "temperature": body.get("temperature"),
+            "text": body.get("text") or {"format": {"type": "text"}}, "tool_choice": body.get("tool_choice", "auto"),
+            "tools": tools, "top_p": body.get("top_p"), "truncation": body.get("truncation") or "disabled",
+            "usage": None, "user": body.get("user")}
+
+
+def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def _call(item_id: str, call_id: str, name: str, args: str, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": args,
+            "status": status}
+
+
+def finish(resp: dict[str, Any], finish_reason: Any) -> None:
+    """Its status from the chat's finish reason: ``length`` is incomplete (max_output_tokens)."""
+    if finish_reason == "length":
+        resp["status"] = "incomplete"
+        resp["incomplete_details"] = {"reason": "max_output_tokens"}
+    else:
+        resp["status"] = "completed"
+
+
+def answer(body: dict[str, Any], chat: bytes, rid: str, created: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A chat completion as a Response object, and its output as chat messages (for a continuation)."""
+    obj = orjson.loads(chat)
+    resp = shell(body, rid, created, "completed")
+    choice = (obj.get("choices") or [{}])[0] if isinstance(obj, dict) else {}
+    msg = choice.get("message") or {}
+    base = rid.removeprefix("resp_")
+    content, calls = msg.get("content"), msg.get("tool_calls") or []
+    status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
+    if content:
+        resp["output"].append(_message("msg_" + base, content, status))
+    for i, tc in enumerate(calls):
+        fn = tc.get("function") or {}
+        resp["output"].append(_call(f"fc_{base}_{i}", tc.get("id") or f"call_{base}_{i}", fn.get("name") or "",
+                                    fn.get("arguments") or "", "completed"))
+    finish(resp, choice.get("finish_reason"))
+    resp["usage"] = usage_of(obj.get("usage") if isinstance(obj, dict) else None)
+    return resp, said(resp)
+
+
+def said(resp: dict[str, Any]) -> list[dict[str, Any]]:
+    """A response's output as the chat messages a continuation sends back."""
+    text = "".join(c["text"] for it in resp["output"] if it["type"] == "message" for c in it["content"])
+    calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
+             for it in resp["output"] if it["type"] == "function_call"]
+    if not text and not calls:
+        return [{"role": "assistant", "content": ""}]
+    return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
+
+
+def event(kind: str, seq: int, fields: dict[str, Any]) -> bytes:
+    return b"event: %b\ndata: %b\n\n" % (kind.encode(), orjson.dumps({"type": kind, "sequence_number": seq, **fields}))
+
+
+def error_of(err: GatewayError) -> dict[str, Any]:
+    return {"code": err.code, "message": err.message}
+
+
+class Events:
+    """One Responses stream, made from the engine's chat stream (``feed``: whole SSE events, as the relay's framer
+    cut them) and the gateway's own ends (``failed``). The terminal event of a success is held in ``final`` until
+    the route has stored the response (a client that continues at once finds it)."""
+
+    __slots__ = ("base", "body", "calls", "ended", "final", "finish_reason", "msg_index", "next_index", "opened",
+                 "pieces", "resp", "seq", "usage")
+
+    def __init__(self, body: dict[str, Any], rid: str, created: int) -> None:
+        self.body = body
+        self.resp = shell(body, rid, created, "in_progress")
+        self.base = rid.removeprefix("resp_")
+        self.seq = 0
+        self.opened = False  # response.created went out
+        self.pieces: list[str] = []  # the message's text so far
+        self.msg_index = -1  # its output index (-1: no message item yet)
+        self.next_index = 0
+        self.calls: dict[int, list[Any]] = {}  # chat tool call index -> [output index, item id, call id, name, args]
+        self.finish_reason: Any = None
+        self.usage: dict[str, Any] | None = None
+        self.final = b""  # response.completed / response.incomplete, sent by the route once stored
+        self.ended = False  # a terminal event went out (or is held in final)
+
+    def _ev(self, kind: str, **fields: Any) -> bytes:
+        out = event(kind, self.seq, fields)
+        self.seq += 1
+        return out
+
+    def open(self) -> bytes:
+        if self.opened:
+            return b""
+        self.opened = True
+        return self._ev("response.created", response=self.resp) + self._ev("response.in_progress", response=self.resp)
+
+    def feed(self, events: bytes, sep: bytes) -> bytes:
+        out = [self.open()]
+        for ev in events.split(sep):
+            if not ev or self.ended:
+                continue
+            data = b"".join(line[5:].lstrip() for line in ev.splitlines() if line.startswith(b"data:"))
+            if not data:
+                continue
+            if data == b"[DONE]":
+                out.append(self.done())
+                continue
+            try:
+                chunk = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                continue  # the relay's framer judged the event; an unreadable one carries nothing to show
+            if not isinstance(chunk, dict):
+                continue
+            if chunk.get("error") is not None:
+                e = chunk["error"]
+                msg = e.get("message") if isinstance(e, dict) else str(e)
+                out.append(self._failed({"code": "engine_error", "message": f"the engine reported: {msg}"}))
+                continue
+            out.append(self._chunk(chunk))
+        return b"".join(out)
+
+    def _chunk(self, chunk: dict[str, Any]) -> bytes:
+        if chunk.get("usage"):
+            self.usage = usage_of(chunk["usage"])
+        choices = chunk.get("choices")
+        if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
+            return b""
+        choice = choices[0]
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+        delta = choice.get("delta") or {}
+        out = []
+        text = delta.get("content")
+        if isinstance(text, str) and text:
+            if self.msg_index < 0:
+                self.msg_index = self.next_index
+                self.next_index += 1
+                item = _message("msg_" + self.base, "", "in_progress")
+                item["content"] = []
+                out.append(self._ev("response.output_item.added", output_index=self.msg_index, item=item))
+                out.append(self._ev("response.content_part.added", item_id="msg_" + self.base,
+                                    output_index=self.msg_index, content_index=0,
+                                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
+            self.pieces.append(text)
+            out.append(self._ev("response.output_text.delta", item_id="msg_" + self.base, output_index=self.msg_index,
+                                content_index=0, delta=text, logprobs=[]))
+        for tc in delta.get("tool_calls") or ():
+            if not isinstance(tc, dict):
+                continue
+            i = tc.get("index", 0)
+            fn = tc.get("function") or {}
+            call = self.calls.get(i)
+            if call is None:
+                item_id = f"fc_{self.base}_{i}"
+                call = self.calls[i] = [self.next_index, item_id, tc.get("id") or f"call_{self.base}_{i}",
+                                        fn.get("name") or "", []]
+                self.next_index += 1
+                out.append(self._ev("response.output_item.added", output_index=call[0],
+                                    item=_call(item_id, call[2], call[3], "", "in_progress")))
+            args = fn.get("arguments")
+            if isinstance(args, str) and args:
+                call[4].append(args)
+                out.append(self._ev("response.function_call_arguments.delta", item_id=call[1], output_index=call[0],
+                                    delta=args))
+        return b"".join(out)
+
+    def done(self) -> bytes:
+        """The engine's [DONE]: every item closed; the terminal event held in ``final``."""
+        if self.ended:
+            return b""
+        self.ended = True
+        out = []
+        items: list[tuple[int, dict[str, Any]]] = []
+        status = "incomplete" if self.finish_reason == "length" else "completed"
+        if self.msg_index >= 0:
+            text = "".join(self.pieces)
+            mid = "msg_" + self.base
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            out.append(self._ev("response.output_text.done", item_id=mid, output_index=self.msg_index, content_index=0,
+                                text=text, logprobs=[]))
+            out.append(self._ev("response.content_part.done", item_id=mid, output_index=self.msg_index,
+                                content_index=0, part=part))
+            item = _message(mid, text, status)
+            out.append(self._ev("response.output_item.done", output_index=self.msg_index, item=item))
+            items.append((self.msg_index, item))
+        for index, item_id, call_id, name, pieces in self.calls.values():
+            args = "".join(pieces)
+            out.append(self._ev("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                                name=name, arguments=args))
+            item = _call(item_id, call_id, name, args, "completed")
+            out.append(self._ev("response.output_item.done", output_index=index, item=item))
+            items.append((index, item))
+        resp = self.resp
+        resp["output"] = [it for _, it in sorted(items, key=lambda x: x[0])]
+        resp["usage"] = self.usage
+        finish(resp, self.finish_reason)
+        self.final = self._ev("response." + resp["status"], response=resp)
+        return b"".join(out)
+
+    def _failed(self, error: dict[str, Any]) -> bytes:
+        self.ended = True
+        resp = self.resp
+        resp["status"], resp["error"], resp["usage"] = "failed", error, self.usage
+        return self._ev("response.failed", response=resp)
+
+    def failed(self, err: GatewayError) -> bytes:
+        """What the gateway ended (deadline, drain, abort, a leg that failed): ``response.failed`` naming why."""
+        if self.ended and not self.final:
+            return b""
+        self.final = b""
+        return self.open() + self._failed(error_of(err))

@@ -1,0 +1,319 @@
+"""The Responses API through PD: the OpenAI SDK's ``responses`` calls (stream and not) against real sim processes
+that cut and merge their writes; stored responses per tenant; the gateway's own ends as ``response.failed``;
+the translation's rules as pure unit tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import openai
+import orjson
+import pytest
+
+from pdgate import responses
+from pdgate.auth import hash_key
+from pdgate.config import DeadlineConfig, KeyConfig, ResponsesConfig
+from pdgate.errors import InvalidField
+from pdgate.store.embedded import EmbeddedStore
+from tests.pdgate.harness import Running, assert_clean, make_config, start_gateway
+from tests.procs import Procs, Sim
+
+TOOLS = [{"type": "function", "name": "read_file", "description": "read a file",
+          "parameters": {"type": "object", "required": ["path"], "properties": {"path": {"type": "string"}}}},
+         {"type": "function", "name": "run_tests",
+          "parameters": {"type": "object", "properties": {"suite": {"type": "string", "enum": ["unit"]}}}}]
+SPLIT = ("--fault", "segment=0.7", "--fault", "segment_seed=28")  # writes cut and merged at random offsets
+
+
+async def gateway(gateways: list[Any], prefills: list[Sim], decodes: list[Sim], **kw: Any) -> Running:
+    g = await start_gateway(make_config(prefills, decodes, **kw))
+    gateways.append(g)
+    return g
+
+
+class Clients:
+    """SDK clients a test makes, closed at its end."""
+
+    def __init__(self) -> None:
+        self.made: list[openai.AsyncOpenAI] = []
+
+    def __call__(self, g: Running, key: str = "none") -> openai.AsyncOpenAI:
+        c = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
+        self.made.append(c)
+        return c
+
+
+@pytest.fixture
+async def sdk() -> Any:
+    made = Clients()
+    try:
+        yield made
+    finally:
+        for c in made.made:
+            await c.close()
+
+
+# ---- end to end -------------------------------------------------------------------------------------------
+async def test_sdk_tool_round_trip_stream_and_not_with_continuation(procs: Procs, gateways: list[Any], sdk: Clients,
+                                                                    http: aiohttp.ClientSession) -> None:
+    """The SDK's own calls: a tool call, its output sent back by previous_response_id, the answer; streamed and
+    not; the stream's events in OpenAI's order, its final response the same as GET's."""
+    p, d = procs.pair(*SPLIT)
+    g = await gateway(gateways, [p], [d])
+    client = sdk(g)
+    first = await client.responses.create(model="sim-model", instructions="You are a coding agent.",
+                                          input="please use read_file", tools=TOOLS, max_output_tokens=64)
+    assert first.status == "completed" and first.id.startswith("resp_")
+    call = first.output[0]
+    assert call.type == "function_call" and call.name == "read_file" and json.loads(call.arguments)["path"]
+    assert first.usage is not None and first.usage.input_tokens > 0 and first.usage.output_tokens > 0
+    second = await client.responses.create(model="sim-model", previous_response_id=first.id, tools=TOOLS,
+                                           max_output_tokens=6, input=[{"type": "function_call_output",
+                                                                        "call_id": call.call_id, "output": "42 lines"}])
+    assert second.output[0].type == "message" and second.output_text
+    assert second.status == "incomplete" and second.incomplete_details.reason == "max_output_tokens"
+    assert second.previous_response_id == first.id
+    # the same two rounds streamed
+    kinds: list[str] = []
+    final: Any = None
+    args = ""
+    async with await client.responses.create(model="sim-model", input="please use run_tests", tools=TOOLS,
+                                             stream=True, max_output_tokens=64) as s:
+        async for ev in s:
+            kinds.append(ev.type)
+            if ev.type == "response.function_call_arguments.delta":
+                args += ev.delta
+            if ev.type == "response.completed":
+                final = ev.response
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    assert final.output[0].name == "run_tests" and final.output[0].arguments == args == '{"suite":"unit"}'
+    text = ""
+    seqs: list[int] = []
+    async with await client.responses.create(model="sim-model", previous_response_id=final.id, stream=True,
+                                             input=[{"type": "function_call_output", "call_id": final.output[0].call_id,
+                                                     "output": "ok"}], max_output_tokens=12) as s:
+        async for ev in s:
+            seqs.append(ev.sequence_number)
+            if ev.type == "response.output_text.delta":
+                text += ev.delta
+            if ev.type in ("response.completed", "response.incomplete"):
+                done = ev.response
+    assert seqs == list(range(len(seqs))) and text and done.output_text == text
+    got = await client.responses.retrieve(done.id)
+    assert got.output_text == text and got.usage.output_tokens == done.usage.output_tokens == 12
+    deleted = await client.responses.delete(done.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(done.id)
+    await assert_clean(http, g.gw, [p, d])
+
+
+async def test_store_false_keeps_nothing_and_unknown_ids_are_404(procs: Procs, gateways: list[Any], sdk: Clients) -> None:
+    p, d = procs.pair()
+    g = await gateway(gateways, [p], [d])
+    client = sdk(g)
+    r = await client.responses.create(model="sim-model", input="hi", store=False, max_output_tokens=4)
+    assert r.output_text and r.store is False
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(r.id)
+    for bad in (r.id, "resp_nope", "resp_a:b", "x" * 300):
+        with pytest.raises(openai.NotFoundError) as e:
+            await client.responses.create(model="sim-model", input="hi", previous_response_id=bad)
+        assert e.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as bad_req:
+        await client.responses.create(model="sim-model", input="hi", tools=[{"type": "web_search"}])
+    assert bad_req.value.body["param"] == "tools"  # type: ignore[index]
+
+
+async def test_a_tenant_never_reads_or_continues_anothers_response(procs: Procs, gateways: list[Any], sdk: Clients) -> None:
+    p, d = procs.pair()
+    keys = (KeyConfig("alice", hash_key("sk-alice-0123456789")), KeyConfig("bob", hash_key("sk-bob-0123456789")))
+    g = await gateway(gateways, [p], [d], keys=keys)
+    alice, bob = sdk(g, "sk-alice-0123456789"), sdk(g, "sk-bob-0123456789")
+    r = await alice.responses.create(model="sim-model", input="secret plans", max_output_tokens=4)
+    assert (await alice.responses.retrieve(r.id)).id == r.id
+    with pytest.raises(openai.NotFoundError):
+        await bob.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        await bob.responses.create(model="sim-model", input="continue", previous_response_id=r.id)
+    assert "not found" in e.value.message
+    with pytest.raises(openai.NotFoundError):
+        await bob.responses.delete(r.id)
+    assert (await alice.responses.retrieve(r.id)).id == r.id, "bob's delete did not touch alice's"
+    with pytest.raises(openai.AuthenticationError):
+        await sdk(g, "sk-nobody").responses.retrieve(r.id)
+
+
+async def test_a_ttft_deadline_on_a_stream_ends_with_response_failed_naming_the_budget(
+        procs: Procs, gateways: list[Any], sdk: Clients, http: aiohttp.ClientSession) -> None:
+    """Before its first token (the prefill slow) and after it (the decode frozen): a stream, never a 504 or a cut."""
+    p, d = procs.pair("--fault", "slow_prefill=3")
+    g = await gateway(gateways, [p], [d], deadlines=DeadlineConfig(ttft_s=0.5, idle_s=0.6))
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    kinds: list[str] = []
+    async with await sdk(g).responses.create(model="sim-model", input="hi", stream=True, max_output_tokens=8) as s:
+        async for ev in s:
+            kinds.append(ev.type)
+            if ev.type == "response.failed":
+                failed = ev.response
+    assert kinds == ["response.created", "response.in_progress", "response.failed"]
+    assert failed.status == "failed" and failed.error.code == "deadline_exceeded"
+    assert "ttft deadline of 0.5s" in failed.error.message and loop.time() - t0 < 0.5 + 0.5
+    await assert_clean(http, g.gw, [p, d])
+
+
+async def test_an_idle_deadline_mid_stream_and_a_drain_end_with_response_failed(
+        procs: Procs, gateways: list[Any], sdk: Clients, http: aiohttp.ClientSession) -> None:
+    p, d = procs.pair("--speed", "8")
+    g = await gateway(gateways, [p], [d], deadlines=DeadlineConfig(idle_s=0.5))
+    async with http.post(g.url + "/v1/responses", json={"model": "sim-model", "input": "hi", "stream": True,
+                                                        "max_output_tokens": 200}) as r:
+        assert r.status == 200
+        seen = 0
+        async for line in r.content:
+            if line.startswith(b"event: response.output_text.delta"):
+                seen += 1
+                if seen == 3:
+                    async with http.post(d.url + "/pdgate/v1/faults", json={"decode_freeze": True}):
+                        pass
+            if line.startswith(b"data:") and b'"response.failed"' in line:
+                ev = orjson.loads(line[5:])
+                break
+    assert seen >= 3 and ev["response"]["error"]["code"] == "deadline_exceeded"
+    assert "idle deadline" in ev["response"]["error"]["message"]
+    async with http.post(d.url + "/pdgate/v1/faults", json={"decode_freeze": False}):
+        pass
+    await assert_clean(http, g.gw, [p, d])
+    async with http.post(g.url + "/v1/responses", json={"model": "sim-model", "input": "hi", "stream": True,
+                                                        "max_output_tokens": 200}) as r:
+        seen = 0
+        async for line in r.content:
+            if line.startswith(b"event: response.output_text.delta"):
+                seen += 1
+                if seen == 3:
+                    assert g.gw.pipeline.drain("the test drains") == 1
+            if line.startswith(b"data:") and b'"response.failed"' in line:
+                ev = orjson.loads(line[5:])
+        rest = await r.content.read()
+    assert ev["response"]["error"]["code"] == "gateway_draining" and "the test drains" in ev["response"]["error"]["message"]
+    assert rest == b"", "nothing after the terminal event"
+    await assert_clean(http, g.gw, [p, d])
+
+
+# ---- the translation, pure --------------------------------------------------------------------------------
+def test_input_items_become_chat_messages() -> None:
+    chat, turn = responses.to_chat({
+        "model": "m", "instructions": "be brief", "max_output_tokens": 9, "tool_choice": {"type": "function", "name": "f"},
+        "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}, "stream": True,
+        "input": [{"role": "developer", "content": "rules"},
+                  {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                                  {"type": "input_text", "text": "b"}]},
+                  {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+                  {"type": "function_call", "call_id": "c2", "name": "g", "arguments": "{}"},
+                  {"type": "function_call_output", "call_id": "c1", "output": "one"},
+                  {"type": "reasoning", "id": "rs", "summary": []}]},
+        [{"role": "user", "content": "before"}])
+    assert chat["messages"][0] == {"role": "system", "content": "be brief"}
+    assert chat["messages"][1] == {"role": "user", "content": "before"}, "history after the instructions"
+    assert turn[0] == {"role": "system", "content": "rules"} and turn[1] == {"role": "user", "content": "ab"}
+    assert [c["id"] for c in turn[2]["tool_calls"]] == ["c1", "c2"], "parallel calls: one assistant message"
+    assert turn[3] == {"role": "tool", "tool_call_id": "c1", "content": "one"} and len(turn) == 4
+    assert chat["max_completion_tokens"] == 9 and chat["tool_choice"] == {"type": "function", "function": {"name": "f"}}
+    assert chat["response_format"]["json_schema"]["name"] == "x" and chat["stream_options"] == {"include_usage": True}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "m"}, "input"),
+    ({"model": "m", "input": []}, "input"),
+    ({"model": "m", "input": [{"type": "item_reference", "id": "x"}]}, "input"),
+    ({"model": "m", "input": [{"role": "tool", "content": "x"}]}, "input"),
+    ({"model": "m", "input": "x", "tools": [{"type": "file_search"}]}, "tools"),
+    ({"model": "m", "input": "x", "tool_choice": "sometimes"}, "tool_choice"),
+    ({"model": "m", "input": "x", "background": True}, "background"),
+    ({"model": "m", "input": "x", "store": "yes"}, "store"),
+    ({"model": "m", "input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
+])
+def test_what_cannot_be_served_is_a_400_naming_the_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidField) as e:
+        responses.to_chat(body, [])
+    assert e.value.param == param
+
+
+def sse(*chunks: dict[str, Any]) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
+
+def parse(out: bytes) -> list[dict[str, Any]]:
+    evs = []
+    for ev in out.split(b"\n\n"):
+        if ev:
+            kind, data = ev.split(b"\n")
+            obj = orjson.loads(data[6:])
+            assert kind == b"event: " + obj["type"].encode()
+            evs.append(obj)
+    return evs
+
+
+def test_a_chat_stream_fed_at_any_split_gives_the_same_events() -> None:
+    """The relay hands whole events, but any grouping of them; the event sequence depends on none."""
+    chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+              *({"choices": [{"index": 0, "delta": {"content": w}}]} for w in ("Hel", "lo", " there")),
+              {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "call_1", "function": {
+                  "name": "f", "arguments": ""}}]}}]},
+              *({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": a}}]}}]}
+                for a in ('{"a"', ':1}')),
+              {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+              {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 5,
+                                        "prompt_tokens_details": {"cached_tokens": 3}}}]
+    whole = sse(*chunks)
+    events = whole.split(b"\n\n")[:-1]
+    outs = []
+    for cut in ([len(events)], [1] * len(events), [3, 2, 4, 1]):
+        ev = responses.Events({"model": "m"}, "resp_x", 1)
+        out, i = b"", 0
+        for n in cut:
+            out += ev.feed(b"\n\n".join(events[i:i + n]) + b"\n\n", b"\n\n")
+            i += n
+        outs.append(parse(out + ev.final))
+    assert outs[0] == outs[1] == outs[2]
+    got = outs[0]
+    kinds = [e["type"] for e in got]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * 3, "response.output_item.added",
+                     *["response.function_call_arguments.delta"] * 2, "response.output_text.done",
+                     "response.content_part.done", "response.output_item.done",
+                     "response.function_call_arguments.done", "response.output_item.done", "response.completed"]
+    final = got[-1]["response"]
+    assert final["output"][0]["content"][0]["text"] == "Hello there"
+    assert final["output"][1] == {"type": "function_call", "id": "fc_x_0", "call_id": "call_1", "name": "f",
+                                  "arguments": '{"a":1}', "status": "completed"}
+    assert final["usage"]["input_tokens_details"]["cached_tokens"] == 3 and final["usage"]["total_tokens"] == 12
+
+
+def test_an_engine_error_mid_stream_is_response_failed_and_nothing_after() -> None:
+    ev = responses.Events({"model": "m"}, "resp_x", 1)
+    out = ev.feed(b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\ndata: {"error": {"message": "oom"}}'
+                  b"\n\ndata: [DONE]\n\n", b"\n\n")
+    got = parse(out)
+    assert got[-1]["type"] == "response.failed" and "oom" in got[-1]["response"]["error"]["message"]
+    assert ev.final == b""
+
+
+async def test_the_embedded_store_is_bounded_by_count_bytes_and_time() -> None:
+    s = EmbeddedStore()
+    lim = ResponsesConfig(ttl_s=10, max_stored=3, max_total_bytes=250)
+    for i in range(5):
+        await s.put_response("a", f"resp_{i}", b"x" * 10, float(i), lim)
+    assert [await s.get_response("a", f"resp_{i}", 5.0) for i in range(5)] == [None, None, b"x" * 10, b"x" * 10,
+                                                                               b"x" * 10]
+    assert await s.get_response("b", "resp_4", 5.0) is None, "another tenant's"
+    assert await s.get_response("a", "resp_4", 14.0) is None, "expired"
+    for i in range(30):
+        await s.put_response(f"t{i}", "resp_1", b"y" * 100, 20.0, lim)
+    assert s.response_bytes <= 250 and len(s.response_order) == 2
+    assert await s.delete_response("t29", "resp_1") and not await s.delete_response("t29", "resp_1")
