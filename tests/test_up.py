@@ -20,13 +20,14 @@ from engine.supervisor import Supervisor, load_cluster
 from tests.procs import ROOT, Procs, free_port, wait_http
 
 
-def cluster_file(tmp: Path, prefills: int = 1, decodes: int = 1) -> Path:
+def cluster_file(tmp: Path, prefills: int = 1, decodes: int = 1, args: tuple[str, ...] = ()) -> Path:
     lines = [f'[cluster]\nlog_dir = "{tmp / "logs"}"\nrestart_backoff_s = [0.2]\n']
+    extra = f"args = {json.dumps(list(args))}\n" if args else ""
     for i in range(prefills):
         lines.append(f'[[worker]]\nname = "prefill-{i}"\nrole = "prefill"\nport = {free_port()}\n'
-                     f'bootstrap_port = {free_port()}\n')
+                     f'bootstrap_port = {free_port()}\n{extra}')
     for i in range(decodes):
-        lines.append(f'[[worker]]\nname = "decode-{i}"\nrole = "decode"\nport = {free_port()}\n')
+        lines.append(f'[[worker]]\nname = "decode-{i}"\nrole = "decode"\nport = {free_port()}\n{extra}')
     path = tmp / "cluster.toml"
     path.write_text("\n".join(lines))
     return path

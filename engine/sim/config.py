@@ -140,6 +140,7 @@ class SimConfig:
     disconnect_notice_s: float = 4.0
     extension: bool = True  # serve GET /pdgate/v1/requests (off: look like plain SGLang)
     prefix_cache_tokens: int = 1_000_000  # the prefill's prefix cache (0: off, as SGLang's --disable-radix-cache)
+    eos_after: int = 0  # free text ends (finish_reason stop) after this many tokens, as a model's EOS; 0: never
     max_running_requests: int = 1024  # reported in /server_info as SGLang does (gateways read it as a capacity)
     api_key: str | None = None  # SGLang's --api-key: every route but /health*, /ready*, /metrics wants it
 
@@ -184,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reported in /server_info as SGLang's resolved server arg (a gateway's capacity hint)")
     p.add_argument("--api-key", default=os.environ.get("SIM_API_KEY") or None,
                    help="as SGLang's --api-key: Authorization: Bearer <key> required (env SIM_API_KEY)")
+    p.add_argument("--eos-after", type=int, default=0,
+                   help="free text ends with EOS (finish_reason stop) after this many tokens, as a model's answer "
+                        "does; 0 (default): it runs to max_tokens")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -209,6 +213,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         api_key=args.api_key,
         max_running_requests=args.max_running_requests,
         prefix_cache_tokens=args.prefix_cache_tokens,
+        eos_after=args.eos_after,
     )
     for item in args.fault:
         name, sep, value = item.partition("=")

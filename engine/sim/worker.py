@@ -444,6 +444,9 @@ class Engine:
         if req.script is not None and len(req.tokens) >= len(req.script.tokens):
             req.finish = {"type": "stop", "matched": None}
             return
+        if self.cfg.eos_after and req.script is None and len(req.tokens) >= self.cfg.eos_after:
+            req.finish = {"type": "stop", "matched": None}  # the model's own end (EOS)
+            return
         text = "".join(req.tokens)
         for s in req.stop:
             if s and s in text:
