@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 n=${1:-25}
 mkdir -p runs/mutations
 status=0
-for m in rearm framer drain first_wins one_leg rid_instance wrong_header; do
+for m in rearm framer drain first_wins one_leg rid_instance wrong_header responses_cut; do
   log=runs/mutations/$m.log
   start=$(date +%s)
   PDGATE_MUTATION=$m ORACLE_EXAMPLES=$n timeout 900 .venv/bin/python -m pytest -q -x -p no:randomly \

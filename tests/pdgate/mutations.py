@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from pdgate import aborts, deadlines, proxy, relay, rid, scope
+from pdgate import aborts, deadlines, proxy, relay, responses, rid, scope
 
 
 def _per_read_push(self: relay.Framer, chunk: bytes) -> bytes:
@@ -56,6 +56,8 @@ MUTATIONS: dict[str, tuple[Any, str, Any]] = {
     "rid_instance": (rid.Rid, "parse", staticmethod(_parse_without_instance)),
     "wrong_header": (deadlines, "HEADERS", {"total": "x-pdgate-timeout", "ttft": "x-pdgate-idle-timeout",
                                             "idle": "x-pdgate-ttft-timeout"}),
+    # a Responses stream the gateway ends gets no terminal event (the cut the route exists to prevent)
+    "responses_cut": (responses.Events, "failed", lambda self, err: b""),
 }
 
 

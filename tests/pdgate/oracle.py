@@ -37,7 +37,7 @@ from pdgate.config import AdmissionConfig, DeadlineConfig, HealthConfig, Reconci
 from pdgate.scope import Cause, Reason
 from tests.engine.simclient import engine_requests, set_faults
 from tests.pdgate.harness import Running, make_config, start_gateway
-from tests.pdgate.sse import Seen, call
+from tests.pdgate.sse import DELTA, Seen, call
 from tests.procs import Procs, Sim, wait_http
 
 TOL = 0.35  # seconds a terminal answer may come after the budget that applies (timers, a loaded 2-core CI)
@@ -47,7 +47,7 @@ MAX_TOTAL, MAX_TTFT, MAX_IDLE = DeadlineConfig().max_total_s, DeadlineConfig().m
 # an engine that notices late, so that only the gateway's aborts free what it leaves
 SIM_ENV = {"SGLANG_REQUEST_STATE_WAIT_TIMEOUT": "30"}
 DECODE_ARGS = ("--speed", "8")  # ~30 ms a token: streams last long enough for faults to land in them
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses")
 SIM_FAULTS = ("slow_prefill", "decode_freeze", "decode_stall", "http_500_rate", "slow_first_token", "decode_crash", "abort_race",
               "ack_loss", "bootstrap_loss", "slow_accept", "done_stall")
 OFF = {"slow_prefill": 0, "decode_freeze": False, "decode_stall": False, "http_500_rate": 0, "slow_first_token": 0, "decode_crash": False,
@@ -203,6 +203,7 @@ scenarios = lambda: st.one_of(free_scenarios(), stalled_streams(), drained_under
                               abandoned_legs(), lost_aborts())
 
 CHAT_STREAM = Req("/v1/chat/completions", True, 30, None, None, 0.3, "reads", 1, 0.0)
+RESPONSES_STREAM = dataclasses.replace(CHAT_STREAM, route="/v1/responses")
 # Each shape a mechanism needs, run in every oracle run besides the generated ones (whatever hypothesis draws):
 SHAPES = (
     # idle much shorter than TTFT, every decode stalled after a few tokens: the watchdog must re-arm
@@ -230,6 +231,19 @@ SHAPES = (
     Scenario(7, 0.0, (Req("/v1/chat/completions", False, 8, None, 0.4, None, "reads", 1, 0.0),), (
         Fault(0.0, ALL_PREFILLS, "slow_accept", 2.2, 0.0, persist=True),
         Fault(0.0, ALL_DECODES, "bootstrap_loss", 1.0, 0.0, persist=True)), None, 0.0, None),
+    # the Responses route: its stream stuck in the middle of an engine event at its idle budget (the gateway's
+    # response.failed after whole events only), beside a stored non-stream one
+    Scenario(9, 0.0, (RESPONSES_STREAM, Req("/v1/responses", False, 12, None, None, None, "reads", 1, 0.0)),
+             (Fault(0.15, ALL_DECODES, "split_stall", 1.0, 0.0, persist=True),), None, 0.0, None),
+    # ... a TTFT deadline and a drain at once, before its first token (response.failed, never a 504)
+    Scenario(10, 0.0, (Req("/v1/responses", True, 8, None, 0.4, None, "reads", 1, 0.0),),
+             (Fault(0.0, ALL_PREFILLS, "slow_prefill", 2.0, 1.0),), None, 0.0, "drain"),
+    # ... and an operator's abort at its TTFT deadline, not streamed
+    Scenario(11, 0.0, (Req("/v1/responses", False, 8, None, 0.4, None, "reads", 1, 0.0),),
+             (Fault(0.0, ALL_PREFILLS, "slow_prefill", 2.0, 1.0),), None, 0.0, "abort"),
+    # ... a drain while every decode stalls mid-stream
+    Scenario(12, 0.5, (dataclasses.replace(RESPONSES_STREAM, idle=None),),
+             (Fault(0.1, ALL_DECODES, "decode_stall", 1.0, 2.5),), 0.5, 0.3, None),
 )
 
 
@@ -267,6 +281,8 @@ def headers(r: Req) -> dict[str, str]:
 def body(r: Req) -> dict[str, Any]:
     if r.route == "/generate":
         return {"text": "tell me a story", "sampling_params": {"max_new_tokens": r.max_tokens}, "stream": r.stream}
+    if r.route == "/v1/responses":
+        return {"model": "sim-model", "input": "tell me a story", "max_output_tokens": r.max_tokens, "stream": r.stream}
     if r.route == "/v1/completions":
         return {"model": "sim-model", "prompt": "tell me a story", "max_tokens": r.max_tokens, "stream": r.stream}
     return {"model": "sim-model", "messages": [{"role": "user", "content": "tell me a story"}],
@@ -449,6 +465,14 @@ def lateness(r: Req, s: Seen) -> float:
 def text_of(route: str, s: Seen, stream: bool) -> str | None:
     """The text the client got (None: not an answer of that route's shape)."""
     try:
+        if route == "/v1/responses":
+            if stream:
+                deltas = [orjson.loads(d)["delta"] for _, d in s.events if d.startswith(DELTA)]
+                final = orjson.loads(s.events[-1][1])["response"]
+                whole = "".join(c["text"] for it in final["output"] if it["type"] == "message" for c in it["content"])
+                return "".join(deltas) if whole == "".join(deltas) else None  # the deltas add up to the output
+            out = s.json["output"]
+            return "".join(c["text"] for it in out if it["type"] == "message" for c in it["content"])
         if stream:
             objs = [orjson.loads(d) for _, d in s.events if d != b"[DONE]" and not d.startswith(b'{"error"')]
             if route == "/generate":
@@ -480,8 +504,8 @@ def check_client(g: Running, r: Req, s: Seen, drained_at: float | None, drain_s:
     out: list[str] = []
     streamed = r.stream and s.status == 200
     errors = s.error_events if streamed else []
-    if streamed and (s.done_count != 1 or not s.events or s.events[-1][1] != b"[DONE]"):
-        out.append(f"one-done: {rid} stream ended with {s.done_count} [DONE]")
+    if streamed and (s.done_count != 1 or not s.events or not s.is_done(s.events[-1][1])):
+        out.append(f"one-done: {rid} stream ended with {s.done_count} terminal events, the last not one")
     err: dict[str, Any] | None = errors[-1] if errors else None
     if s.status != 200:
         try:
@@ -545,7 +569,8 @@ def answer_agrees(r: Req, s: Seen, rid: str, sent: dict[str, dict[str, Any]] | N
     if not tries:
         return [f"tokens-agree: {rid} completed, but no decode says it answered it"]
     mine = sent[tries[-1]]
-    n = len(s.tokens) if r.stream else (s.json.get("usage") or s.json.get("meta_info") or {}).get("completion_tokens")
+    usage = {} if r.stream else (s.json.get("usage") or s.json.get("meta_info") or {})
+    n = len(s.tokens) if r.stream else usage.get("completion_tokens", usage.get("output_tokens"))
     out = []
     if text != mine["text"]:
         out.append(f"tokens-agree: {rid} client got {text!r:.60}, the decode sent {mine['text']!r:.60}")

@@ -1,4 +1,9 @@
-"""A test client for the gateway's streams: every SSE event with the time it arrived, framed by blank lines."""
+"""A test client for the gateway's streams: every SSE event with the time it arrived, framed by blank lines.
+
+Chat, completions and ``/generate`` streams end with ``[DONE]`` and carry errors as ``{"error": ...}`` events; a
+Responses stream (``/v1/responses``) ends with one terminal event (``response.completed``, ``.incomplete`` or
+``.failed``, whose ``response.error`` is the error) and its tokens are ``response.output_text.delta`` events.
+``Seen`` reads both."""
 
 from __future__ import annotations
 
@@ -9,6 +14,11 @@ from typing import Any
 
 import aiohttp
 import orjson
+
+RESPONSE_EVENT = b'{"type":"response.'
+TERMINAL = tuple(b'{"type":"response.%b"' % k for k in (b"completed", b"incomplete", b"failed"))
+FAILED = b'{"type":"response.failed"'
+DELTA = b'{"type":"response.output_text.delta"'
 
 
 @dataclass
@@ -24,11 +34,23 @@ class Seen:
     error: str | None = None  # the connection failed (or we left)
 
     @property
+    def responses(self) -> bool:
+        """A Responses stream (its events are typed ``response.*``)."""
+        return bool(self.events) and self.events[0][1].startswith(RESPONSE_EVENT)
+
+    @property
     def done_count(self) -> int:
+        if self.responses:
+            return sum(1 for _, d in self.events if d.startswith(TERMINAL))
         return sum(1 for _, d in self.events if d == b"[DONE]")
+
+    def is_done(self, data: bytes) -> bool:
+        return data.startswith(TERMINAL) if self.responses else data == b"[DONE]"
 
     @property
     def error_events(self) -> list[dict[str, Any]]:
+        if self.responses:
+            return [orjson.loads(d)["response"]["error"] for _, d in self.events if d.startswith(FAILED)]
         out = []
         for _, d in self.events:
             if d.startswith(b'{"error"'):
@@ -37,7 +59,10 @@ class Seen:
 
     @property
     def tokens(self) -> list[float]:
-        """Arrival times of the data events that are tokens (not an error, not [DONE])."""
+        """Arrival times of the data events that are tokens (not an error, not [DONE]; a Responses stream's text
+        deltas)."""
+        if self.responses:
+            return [t for t, d in self.events if d.startswith(DELTA)]
         return [t for t, d in self.events if d != b"[DONE]" and not d.startswith(b'{"error"')]
 
     @property
