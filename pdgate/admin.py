@@ -39,6 +39,7 @@ from pdgate.errors import (
     WorkerUnreachable,
 )
 from pdgate.gateway import Gateway
+from pdgate.policies import session_key
 from pdgate.record import LIVE, Record, phase_label
 from pdgate.scope import Cause, Reason
 
@@ -305,6 +306,35 @@ async def abort_request(ctl: Control, request: Request) -> Response:
                          200 if won else 409)
 
 
+# ---- sessions: an agent's rounds (the session key the routing policies use) ------------------------------
+SESSIONS_LISTED = 50
+
+
+async def list_sessions(ctl: Control, request: Request) -> Response:
+    gw, tenant, now = ctl.gw, tenant_of(request), ctl.gw.now()
+    out = []
+    for key, recs in gw.traces.sessions(SESSIONS_LISTED if tenant is None else 10 * SESSIONS_LISTED):
+        mine = [r for r in recs if visible(r, tenant)]
+        if mine:
+            last = mine[-1]
+            out.append({"session": key, "rounds": len(mine), "tenant": last.tenant, "last_id": last.id,
+                        "last_age_s": round(now - last.created, 3), "live": sum(1 for r in mine if r.live)})
+    out = out[:SESSIONS_LISTED]
+    return json_response({"sessions": out, "count": len(out)})
+
+
+async def get_session(ctl: Control, request: Request) -> Response:
+    """A session's rounds: ``key`` as the policies name it (an admin: ``tenant/name`` where keys are in use); a
+    client key asks by its own name for it."""
+    gw, tenant, asked = ctl.gw, tenant_of(request), request.match["key"]
+    key = session_key(tenant.name, asked, {}) if tenant is not None else asked
+    now = gw.now()
+    rounds = [traces.session_round(r, now) for r in gw.traces.session(key or "") if visible(r, tenant)]
+    if not rounds:
+        raise NotFound(f"no live or recent request of session {asked[:200]!r}")
+    return json_response({"session": key, "rounds": rounds, "count": len(rounds)})
+
+
 async def read_json(request: Request) -> dict[str, Any]:
     ctype = request.headers.get("content-type", "")
     if not ctype.split(";", 1)[0].strip().lower() == "application/json":  # a form a web page can post is not JSON
@@ -328,7 +358,10 @@ ROUTES: list[tuple[str, str, Handler, str | None]] = [
     ("GET", "/v1/requests", list_requests, None),
     ("GET", "/v1/requests/{id}", get_request, None),
     ("POST", "/v1/requests/{id}/abort", abort_request, "request.abort"),
+    ("GET", "/v1/sessions", list_sessions, None),
+    ("GET", "/v1/sessions/{key}", get_session, None),
     ("GET", "/v1/dashboard", dashboard.snapshot, None),
     ("GET", dashboard.PAGE_PATH, dashboard.dashboard_page, None),
 ]
-REQUEST_PATHS = ("/v1/requests", "/v1/requests/{id}", "/v1/requests/{id}/abort")  # on the front door too (own only)
+# on the front door too (a client key's own only)
+REQUEST_PATHS = ("/v1/requests", "/v1/requests/{id}", "/v1/requests/{id}/abort", "/v1/sessions", "/v1/sessions/{key}")

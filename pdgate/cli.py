@@ -22,7 +22,7 @@ import time
 import tomllib
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import uvloop
 from rich.console import Console, Group
@@ -106,8 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
                            ("abort", "abort one live request")):
         p = sub.add_parser(name, help=helptext, formatter_class=HELP)
         _admin_flags(p)
-        if name in ("trace", "abort"):
+        if name == "abort":
             p.add_argument("id", help="the request's id (x-request-id), an attempt's rid, or the client's x-request-id")
+        if name == "trace":
+            p.add_argument("id", nargs="?", help="the request's id (x-request-id), its response's id (resp_...), an "
+                           "attempt's rid, or the client's x-request-id")
+            p.add_argument("--session", metavar="KEY", help="instead: a session's rounds (its x-session-id or user, "
+                           "as tenant/name where client keys are in use; a Responses chain: its first resp_ id)")
         if name in ("ps", "workers", "top"):
             p.add_argument("--wide", action="store_true", help="more columns (the default view fits 80 columns)")
         if name == "ps":
@@ -268,7 +273,12 @@ def operator_command(args: argparse.Namespace) -> None:
     elif args.cmd == "workers":
         data = gw.get("/v1/workers")
         print(json.dumps(data)) if args.json else console.print(views.workers_table(data, args.wide, console.width))
+    elif args.cmd == "trace" and args.session is not None:
+        data = gw.get("/v1/sessions/" + quote(args.session, safe=""))
+        print(json.dumps(data)) if args.json else console.print(views.session_table(data, console.width))
     elif args.cmd == "trace":
+        if not args.id:
+            raise SystemExit("pdgate trace: give a request's id, or --session KEY")
         data = gw.get(f"/v1/requests/{args.id}")
         print(json.dumps(data)) if args.json else console.print(views.trace_view(data))
     elif args.cmd == "abort":

@@ -18,6 +18,7 @@ from pdgate.control import Control
 from pdgate.record import Phase, phase_label
 
 RECENT = 30  # recent failures and expiries shown
+SESSIONS, SESSION_ROUNDS = 8, 12  # sessions shown (the most recently active), and each one's last rounds
 PAGE_PATH = "/dashboard"
 
 
@@ -61,6 +62,9 @@ async def snapshot(ctl: Control, request: Request) -> Response:
         "oldest": traces.summary(live[0], now) if live else None,
         "queue_depth": gw.gate.queue.n,
         "recent_failures": recent,
+        "sessions": [{"session": key, "rounds": [traces.session_round(r, now) for r in recs[-SESSION_ROUNDS:]],
+                      "first": max(0, len(recs) - SESSION_ROUNDS)}
+                     for key, recs in gw.traces.sessions(SESSIONS)],
         "finished": {outcome: sum(n for (_, o), n in finished.items() if o == outcome)
                      for outcome in sorted({o for _, o in finished})},
     })

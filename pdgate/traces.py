@@ -43,10 +43,10 @@ class Traces:
         return self.live.get(rid) or self.finished.get(rid)
 
     def get(self, ident: str, tenant: str | None = None) -> Record | None:
-        """A live or recent record by our request id, by one of its attempts' rids (``<id>.<n>``: the
-        OpenAI SDK's ``response.id``), or by the client's own ``x-request-id`` (its latest request; ``tenant``:
-        among that tenant's requests, None: among everyone's)."""
-        rec = self._one(ident)
+        """A live or recent record by our request id, by its response's id (``resp_<id>``: /v1/responses), by one
+        of its attempts' rids (``<id>.<n>``: the OpenAI SDK's chat ``response.id``), or by the client's own
+        ``x-request-id`` (its latest request; ``tenant``: among that tenant's requests, None: among everyone's)."""
+        rec = self._one(ident) or (self._one(ident[5:]) if ident.startswith("resp_") else None)
         if rec is None:
             rid = Rid.parse(ident)
             if rid is not None and rid.attempt:
@@ -57,6 +57,19 @@ class Traces:
             ours = self.by_client_any.get(ident) if tenant is None else self.by_client.get((tenant, ident))
             rec = self._one(ours) if ours is not None else None
         return rec
+
+    def session(self, key: str) -> list[Record]:
+        """A session's rounds among the live and recent records, oldest first (bounded as the ring is)."""
+        return sorted((r for r in (*self.finished.values(), *self.live.values()) if r.session == key),
+                      key=lambda r: r.created)
+
+    def sessions(self, limit: int) -> list[tuple[str, list[Record]]]:
+        """The sessions of the live and recent records, the most recently active first, at most ``limit``."""
+        by: dict[str, list[Record]] = {}
+        for r in sorted((*self.finished.values(), *self.live.values()), key=lambda r: r.created):
+            if r.session is not None:
+                by.setdefault(r.session, []).append(r)
+        return sorted(by.items(), key=lambda kv: kv[1][-1].created, reverse=True)[:limit]
 
     def live_phases(self) -> dict[Phase, int]:
         """Live requests by phase, counted at scrape time (nothing per request)."""
@@ -130,3 +143,19 @@ def full(rec: Record, now: float, engine: dict[str, Any] | None = None) -> dict[
     if engine:
         out["engine"] = engine
     return out
+
+
+def session_round(rec: Record, now: float) -> dict[str, Any]:
+    """One round of a session: where it went, how fast its first token came, what the prefill's cache held, how it
+    ended, and why the policies chose its workers."""
+    a = rec.attempt
+    notes = [str(info) for att in rec.attempts for _, name, info in att.events if name == "routing"]
+    return {
+        "id": rec.id, "response_id": "resp_" + rec.id if rec.route == "/v1/responses" else None, "route": rec.route,
+        "created_at": rec.created_wall, "age_s": round(now - rec.created, 3),
+        "ttft_s": _rel(rec.first_token_at, rec.created), "e2e_s": _rel(rec.finished_at, rec.created),
+        "prompt_tokens": rec.prompt_tokens, "cached_tokens": rec.cached_tokens, "completion_tokens": rec.completion_tokens,
+        "prefill": a.prefill if a else None, "decode": a.decode if a else None, "attempts": len(rec.attempts),
+        "phase": phase_label(rec.phase), "outcome": rec.outcome.value if rec.outcome else None, "status": rec.status,
+        "routing": notes, "tenant": rec.tenant,
+    }

@@ -24,7 +24,8 @@ def _s(v: Any) -> Text:
     return Text(CONTROL.sub("?", "-" if v is None else str(v)))
 
 
-NUMERIC = frozenset({"age s", "left s", "attempt", "chunks", "load", "limit", "restarts", "orphans", "drift"})
+NUMERIC = frozenset({"age s", "left s", "attempt", "chunks", "load", "limit", "restarts", "orphans", "drift",
+                     "ttft ms", "cached", "prompt"})
 HEADERS = {"prefill": "pre", "decode": "dec", "deadline": "next", "age s": "age", "left s": "left"}
 WHOLE = frozenset({"id"})  # never wrapped: what `trace` and `abort` take
 
@@ -174,3 +175,19 @@ def trace_view(t: dict[str, Any]) -> Group:
             eng.add_row(_s(wid), _s(e.get("queue")), _s(e.get("since_s")))
         parts.append(eng)
     return Group(*parts)
+
+
+def session_table(data: dict[str, Any], width: int | None = None) -> Table | Group:
+    """A session's rounds, oldest first: TTFT and cached tokens, the pair that served each, how it ended and why
+    the policies chose as they did."""
+    cols = ["id", "route", "ttft ms", "cached", "prompt", "prefill", "decode", "outcome", "routing"]
+    rows = []
+    for r in data.get("rounds", []):
+        ttft = r.get("ttft_s")
+        outcome = r.get("outcome") or r.get("phase")
+        rows.append([_s(r["id"]), _s(str(r["route"]).removeprefix("/v1/")),
+                     "-" if ttft is None else f"{ttft * 1000:.0f}", _s(r.get("cached_tokens")),
+                     _s(r.get("prompt_tokens")), _s(r.get("prefill")), _s(r.get("decode")),
+                     Text(str(outcome), style="green" if outcome == "completed" else "red" if r.get("outcome") else "yellow"),
+                     _s("; ".join(r.get("routing") or []) or "-")])
+    return layout(f"session {data.get('session')}: {data.get('count', 0)} rounds", cols, rows, width)

@@ -99,6 +99,18 @@ async def test_dashboard_in_a_real_browser(procs: Procs, gateways: list[Any], tm
                 "css selector", "#goodspark svg polyline"))
             assert line and "completed requests per second" in line[0].find_element("xpath", "..").get_attribute(
                 "aria-label")
+            # a session's rounds: a Responses chain of two, listed under its first response
+            async with http.post(g.url + "/v1/responses", json={"model": "sim-model", "input": "hi",
+                                                                "max_output_tokens": 2}) as r:
+                first = (await r.json())["id"]
+            async with http.post(g.url + "/v1/responses", json={"model": "sim-model", "input": "more",
+                                                                "previous_response_id": first,
+                                                                "max_output_tokens": 2}) as r:
+                second = (await r.json())["id"]
+            sessions = await asyncio.to_thread(wait_for, driver, lambda dr: second.removeprefix("resp_") in
+                                               dr.find_element("id", "sessions").text
+                                               and dr.find_element("id", "sessions").text)
+            assert first in sessions and first.removeprefix("resp_") in sessions and "completed" in sessions
         await asyncio.to_thread(driver.save_screenshot, str(tmp_path / "dashboard.png"))
         assert shot.stat().st_size > 20_000 and (tmp_path / "dashboard.png").stat().st_size > 20_000
     finally:

@@ -317,3 +317,59 @@ async def test_the_embedded_store_is_bounded_by_count_bytes_and_time() -> None:
         await s.put_response(f"t{i}", "resp_1", b"y" * 100, 20.0, lim)
     assert s.response_bytes <= 250 and len(s.response_order) == 2
     assert await s.delete_response("t29", "resp_1") and not await s.delete_response("t29", "resp_1")
+
+
+async def test_a_sessions_rounds_in_one_view_and_a_response_found_by_its_id(
+        procs: Procs, gateways: list[Any], sdk: Clients, http: aiohttp.ClientSession) -> None:
+    """A Responses chain names its session by its first response when the client names none; its rounds, with
+    TTFT, cached tokens and the pair of each, are listed by the admin plane and by ``pdgate trace --session``; each
+    round's trace is found by its ``resp_`` id."""
+    p1, p2 = procs.sim("prefill"), procs.sim("prefill")
+    d = procs.sim("decode")
+    g = await gateway(gateways, [p1, p2], [d], policy="session")
+    client = sdk(g)
+    first = await client.responses.create(model="sim-model", input="a long shared prompt " * 100, max_output_tokens=4)
+    ids = [first.id]
+    for n in range(3):
+        prev = await client.responses.create(model="sim-model", previous_response_id=ids[-1], input=f"round {n}",
+                                             max_output_tokens=4, stream=n == 1)
+        if n == 1:
+            async for ev in prev:
+                if ev.type == "response.incomplete":  # max_output_tokens reached
+                    ids.append(ev.response.id)
+        else:
+            ids.append(prev.id)
+    named = await client.responses.create(model="sim-model", input="elsewhere", max_output_tokens=2,
+                                          extra_headers={"x-session-id": "named-1"})
+    async with http.get(g.admin + "/v1/sessions/" + ids[0]) as r:
+        assert r.status == 200
+        view = await r.json()
+    rounds = view["rounds"]
+    assert [r["response_id"] for r in rounds] == ids, "every round of the chain, in order, none of another session"
+    assert len({r["prefill"] for r in rounds}) == 1, "the session policy kept the chain on one prefill"
+    assert all(r["outcome"] == "completed" and r["ttft_s"] > 0 and r["prompt_tokens"] for r in rounds)
+    assert all(r["cached_tokens"] > 0 for r in rounds[1:]), "later rounds found the history in the prefill's cache"
+    async with http.get(g.admin + "/v1/sessions/named-1") as r:
+        assert [x["response_id"] for x in (await r.json())["rounds"]] == [named.id]
+    async with http.get(g.admin + "/v1/sessions") as r:
+        listed = {s["session"]: s["rounds"] for s in (await r.json())["sessions"]}
+    assert listed == {ids[0]: 4, "named-1": 1}
+    async with http.get(g.admin + "/v1/requests/" + ids[2]) as r:
+        trace = await r.json()
+    assert trace["id"] == ids[2].removeprefix("resp_") and trace["route"] == "/v1/responses"
+    out = await asyncio.to_thread(cli_trace_session, g.admin, ids[0])
+    assert out.count("completed") == 4 and all(i.removeprefix("resp_") in out for i in ids), out
+    await assert_clean(http, g.gw, [p1, p2, d])
+
+
+def cli_trace_session(admin: str, key: str) -> str:
+    import os
+    import subprocess
+    import sys
+
+    from tests.procs import ROOT
+    env = {**os.environ, "COLUMNS": "200", "PDGATE_ADMIN_URL": admin}
+    run = subprocess.run([sys.executable, "-m", "pdgate", "trace", "--session", key], cwd=ROOT, capture_output=True,
+                         text=True, timeout=30, env=env)
+    assert run.returncode == 0, run.stderr
+    return run.stdout
