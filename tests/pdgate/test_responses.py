@@ -373,3 +373,34 @@ def cli_trace_session(admin: str, key: str) -> str:
                          text=True, timeout=30, env=env)
     assert run.returncode == 0, run.stderr
     return run.stdout
+
+
+async def test_two_gateways_on_one_redis_continue_each_others_responses(
+        procs: Procs, gateways: list[Any], sdk: Clients) -> None:
+    """Stored responses live in the shared store: a conversation begun on one replica goes on on the other, streamed
+    or not; a tenant's ids stay its own there too."""
+    from pdgate.config import StoreConfig
+
+    redis = procs.redis()
+    p, d = procs.pair()
+    store = StoreConfig(url=redis.url, lease_s=2.0, heartbeat_s=0.5)
+    keys = (KeyConfig("alice", hash_key("sk-alice-0123456789")), KeyConfig("bob", hash_key("sk-bob-0123456789")))
+    a = await gateway(gateways, [p], [d], store=store, keys=keys)
+    b = await gateway(gateways, [p], [d], store=store, keys=keys)
+    on_a, on_b = sdk(a, "sk-alice-0123456789"), sdk(b, "sk-alice-0123456789")
+    first = await on_a.responses.create(model="sim-model", input="please use read_file", tools=TOOLS,
+                                        max_output_tokens=32)
+    call = first.output[0]
+    assert call.type == "function_call"
+    kinds = []
+    async with await on_b.responses.create(model="sim-model", previous_response_id=first.id, tools=TOOLS, stream=True,
+                                           max_output_tokens=4, input=[{"type": "function_call_output",
+                                                                        "call_id": call.call_id, "output": "ok"}]) as s:
+        async for ev in s:
+            kinds.append(ev.type)
+            if ev.type == "response.incomplete":
+                second = ev.response
+    assert kinds[-1] == "response.incomplete" and second.output_text
+    assert (await on_a.responses.retrieve(second.id)).output_text == second.output_text, "written by b, read on a"
+    with pytest.raises(openai.NotFoundError):
+        await sdk(b, "sk-bob-0123456789").responses.retrieve(second.id)

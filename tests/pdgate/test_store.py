@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from pdgate.config import StoreConfig
+from pdgate.config import ResponsesConfig, StoreConfig
+from pdgate.errors import StoreUnavailable
 from pdgate.store.base import Beat, Store, TenantAsk
 from pdgate.store.embedded import EmbeddedStore
 from pdgate.store.redis import RedisStore
@@ -324,3 +325,33 @@ async def test_a_lost_answer_makes_the_next_heartbeat_write_the_counts_whole(sha
         await a.heartbeat(beat(held={w: 0}))
         ok = (await b.acquire(None, ((w, 1),), time.monotonic())).ok
         assert ok is resync, "the slot comes back" if resync else "without the whole write it stays taken"
+
+
+async def test_stored_responses_per_tenant_bounded_by_count_and_time(stores: Stores) -> None:
+    """Both kinds: a tenant reads only its own; the oldest go beyond max_stored; an entry is gone after ttl_s; a
+    delete says whether it was there. With Redis, another instance reads what one wrote."""
+    a, b = await stores.new("a"), await stores.new("b")
+    lim = ResponsesConfig(ttl_s=0.6, max_stored=3)
+    now = time.monotonic()
+    for i in range(5):
+        assert await a.put_response("alice", f"resp_{i}", b"r%d" % i, now, lim)
+    reader = b if stores.kind == "redis" else a
+    got = [await reader.get_response("alice", f"resp_{i}", now) for i in range(5)]
+    assert got == [None, None, b"r2", b"r3", b"r4"]
+    assert await reader.get_response("bob", "resp_4", now) is None, "another tenant's id is not found"
+    assert await reader.delete_response("bob", "resp_4") is False
+    assert await reader.delete_response("alice", "resp_3") is True
+    assert await reader.get_response("alice", "resp_3", now) is None
+    await asyncio.sleep(0.7)
+    assert await reader.get_response("alice", "resp_4", time.monotonic()) is None, "expired after ttl_s"
+
+
+async def test_an_unreachable_redis_says_so_for_stored_responses(shared: Stores) -> None:
+    s = await shared.new("a")
+    lim = ResponsesConfig()
+    assert await s.put_response("t", "resp_1", b"x", 0.0, lim)
+    assert shared.redis is not None
+    shared.redis.proc.stop()
+    assert await s.put_response("t", "resp_2", b"x", 0.0, lim) is False  # logged; the answer still goes out
+    with pytest.raises(StoreUnavailable):
+        await s.get_response("t", "resp_1", 0.0)
