@@ -9,6 +9,10 @@ TTFT/e2e percentiles and which sessions stalled or failed in which round; JSON +
 every session finished every round. Short benchmarks miss what this catches: a decode that stalls once
 contexts grow long (the seed's kernel-knob regression).
 
+``--api responses`` drives the same sessions over ``/v1/responses`` as the OpenAI Agents SDK does: each round
+sends only what is new (the tool's output, or the user's next message) with ``previous_response_id``, and the
+gateway's stored conversation supplies the rest; its events are read as the SDK reads them.
+
 ``--compare`` runs the same sessions against pdgate's policies and sglang-router's cache_aware on one set
 of sims with a prefix cache (loadtest/affinity.py).
 """
@@ -91,8 +95,96 @@ async def turn(http: aiohttp.ClientSession, a: argparse.Namespace, messages: lis
             "prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": cached}
 
 
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+
+
+async def turn_responses(http: aiohttp.ClientSession, a: argparse.Namespace, new: list[dict[str, Any]],
+                         prev: str | None, instructions: str, sid: str) -> dict[str, Any]:
+    """One round over /v1/responses: only ``new`` input items, the rest by ``previous_response_id``."""
+    body: dict[str, Any] = {"model": a.model, "input": new, "instructions": instructions,
+                            "max_output_tokens": a.max_tokens, "stream": True}
+    if prev:
+        body["previous_response_id"] = prev
+    if getattr(a, "tools", False):
+        body["tools"] = RESPONSES_TOOLS
+    headers = {"x-pdgate-timeout": str(a.deadline)} if a.deadline else {}
+    if sid:
+        headers["x-session-id"] = sid
+    t0 = time.monotonic()
+    ttft = None
+    text: list[str] = []
+    call: dict[str, str] = {}
+    final: dict[str, Any] | None = None
+    try:
+        async with asyncio.timeout(a.deadline + 5 if a.deadline else None):
+            async with http.post(a.gateway + "/v1/responses", json=body, headers=headers) as r:
+                if r.status != 200:
+                    return {"ok": False, "why": f"http {r.status}: {(await r.text())[:200]}", "e2e": time.monotonic() - t0}
+                async for line in r.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    ev = orjson.loads(line[6:])
+                    kind = ev.get("type")
+                    if kind in ("response.output_text.delta", "response.function_call_arguments.delta"):
+                        ttft = ttft if ttft is not None else time.monotonic() - t0
+                        if kind == "response.output_text.delta":
+                            text.append(ev["delta"])
+                    elif kind == "response.output_item.added" and ev["item"]["type"] == "function_call":
+                        call = {"id": ev["item"]["call_id"], "name": ev["item"]["name"]}
+                    elif kind == "response.failed":
+                        err = ev["response"].get("error") or {}
+                        return {"ok": False, "why": err.get("message", "response.failed"), "ttft": ttft,
+                                "e2e": time.monotonic() - t0}
+                    elif kind in ("response.completed", "response.incomplete"):
+                        final = ev["response"]
+    except TimeoutError:
+        return {"ok": False, "why": "client deadline: stalled", "ttft": ttft, "e2e": time.monotonic() - t0}
+    except (aiohttp.ClientError, OSError) as exc:
+        return {"ok": False, "why": f"{exc.__class__.__name__}: {exc}", "e2e": time.monotonic() - t0}
+    if final is None:
+        return {"ok": False, "why": "the stream ended without a terminal event", "ttft": ttft, "e2e": time.monotonic() - t0}
+    usage = final.get("usage") or {}
+    return {"ok": True, "ttft": ttft, "e2e": time.monotonic() - t0, "text": "".join(text), "call": call or None,
+            "response_id": final["id"], "prompt_tokens": usage.get("input_tokens"),
+            "cached_tokens": (usage.get("input_tokens_details") or {}).get("cached_tokens")}
+
+
+async def session_responses(http: aiohttp.ClientSession, a: argparse.Namespace, sid: int,
+                            rounds: list[list[dict[str, Any]]], failures: list[dict[str, Any]]) -> None:
+    """``session``'s rounds over /v1/responses, continued by ``previous_response_id``."""
+    rng = random.Random(a.seed * 1000 + sid)
+    context = f" The repository: {tool_result(rng, a.system_tokens)}" if a.system_tokens else ""
+    instructions = f"You are agent {sid}.{context}"
+    new: list[dict[str, Any]] = [{"role": "user", "content": "Fix the failing build."}]
+    prev: str | None = None
+    words = len(instructions.split())
+    for rnd in range(a.rounds):
+        if rnd and a.think_ms:
+            await asyncio.sleep(rng.uniform(0, 2 * a.think_ms) / 1000)
+        words += sum(len(str(m.get("content") or m.get("output") or "").split()) for m in new)
+        res = await turn_responses(http, a, new, prev, instructions, f"agent-{a.seed}-{sid}")
+        res["session"] = sid
+        res["context_words"] = words
+        rounds[rnd].append(res)
+        if not res["ok"]:
+            failures.append({"session": sid, "round": rnd + 1, "why": res["why"], "context_words": words})
+            return
+        prev, call, text = res.pop("response_id"), res.pop("call"), res.pop("text")
+        words += len(text.split())
+        res["tool_call"] = call is not None
+        if call is not None:
+            new = [{"type": "function_call_output", "call_id": call["id"], "output": tool_result(rng, a.growth)}]
+        elif getattr(a, "tools", False):
+            new = [{"role": "user", "content": "Go on: next file."}]
+        else:
+            new = [{"role": "user", "content": tool_result(rng, a.growth)}]
+
+
 async def session(http: aiohttp.ClientSession, a: argparse.Namespace, sid: int, rounds: list[list[dict[str, Any]]],
                   failures: list[dict[str, Any]]) -> None:
+    if getattr(a, "api", "chat") == "responses":
+        await session_responses(http, a, sid, rounds, failures)
+        return
     rng = random.Random(a.seed * 1000 + sid)
     context = f" The repository: {tool_result(rng, a.system_tokens)}" if a.system_tokens else ""
     messages: list[dict[str, Any]] = [{"role": "system", "content": f"You are agent {sid}.{context}"},
@@ -154,7 +246,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
                           "ttft_p99_ms": pct([r.get("ttft") for r in ok], 0.99),
                           "e2e_p50_ms": pct([r["e2e"] for r in ok], 0.5), "e2e_p95_ms": pct([r["e2e"] for r in ok], 0.95)})
     ttfts = [r.get("ttft") for rs in rounds for r in rs if r["ok"]]
-    return {"gateway": a.gateway, "sessions": a.sessions, "rounds": a.rounds, "growth": a.growth, "deadline": a.deadline,
+    return {"gateway": a.gateway, "api": getattr(a, "api", "chat"), "sessions": a.sessions, "rounds": a.rounds,
+            "growth": a.growth, "deadline": a.deadline,
             "tools": bool(getattr(a, "tools", False)), "seconds": round(time.monotonic() - t0, 2),
             "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99), "per_round": per_round,
             "failures": sorted(failures, key=lambda f: (f["round"], f["session"])),
@@ -162,13 +255,15 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(console: Console, out: dict[str, Any]) -> None:
-    t = Table(title=f"agents: {out['sessions']} sessions x {out['rounds']} rounds, +{out['growth']} tokens/round: "
-                    f"{out['verdict']}")
-    for col in ("round", "ok/sent", "context words", "ttft p50 ms", "ttft p95 ms", "e2e p50 ms", "e2e p95 ms"):
+    t = Table(title=f"agents over {out.get('api', 'chat')}: {out['sessions']} sessions x {out['rounds']} rounds, "
+                    f"+{out['growth']} tokens/round: {out['verdict']}")
+    for col in ("round", "ok/sent", "context words", "cached %", "ttft p50 ms", "ttft p95 ms", "e2e p50 ms",
+                "e2e p95 ms"):
         t.add_column(col, justify="right")
     for r in out["per_round"]:
-        t.add_row(str(r["round"]), f"{r['ok']}/{r['requests']}", str(r["context_words_median"]), str(r["ttft_p50_ms"]),
-                  str(r["ttft_p95_ms"]), str(r["e2e_p50_ms"]), str(r["e2e_p95_ms"]))
+        share = f"{100 * r['cached_tokens'] / r['prompt_tokens']:.0f}" if r["prompt_tokens"] else "-"
+        t.add_row(str(r["round"]), f"{r['ok']}/{r['requests']}", str(r["context_words_median"]), share,
+                  str(r["ttft_p50_ms"]), str(r["ttft_p95_ms"]), str(r["e2e_p50_ms"]), str(r["e2e_p95_ms"]))
     console.print(t)
     for f in out["failures"]:
         console.print(f"[red]session {f['session']} stopped in round {f['round']}[/] (context {f['context_words']} words): {f['why']}")
@@ -204,6 +299,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--gateway", help="the gateway to drive (not with --compare, which starts its own)")
     p.add_argument("--tools", action=argparse.BooleanOptionalAction, default=True,
                    help="rounds alternate tool call / answer as an agent's do (default on)")
+    p.add_argument("--api", choices=("chat", "responses"), default="chat",
+                   help="chat: every round resends the history to /v1/chat/completions; responses: /v1/responses with "
+                   "previous_response_id, only what is new sent (as the OpenAI Agents SDK does)")
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--growth", type=int, default=2000, help="tokens of tool output appended per round")

@@ -15,8 +15,12 @@ from tests.pdgate.harness import make_config, start_gateway
 from tests.procs import ROOT, Procs
 
 
-@pytest.mark.parametrize("profile", ["unsafe", "safe"])
-async def test_agents_catch_the_long_context_stall(procs: Procs, gateways: list[Any], tmp_path: Path, profile: str) -> None:
+@pytest.mark.parametrize("profile, api", [("unsafe", "chat"), ("safe", "chat"), ("unsafe", "responses"),
+                                          ("safe", "responses")])
+async def test_agents_catch_the_long_context_stall(procs: Procs, gateways: list[Any], tmp_path: Path, profile: str,
+                                                   api: str) -> None:
+    """Over chat (the history resent) and over Responses (previous_response_id: the gateway's stored conversation
+    grows the context the same way)."""
     env = {"SIM_STALL_THRESHOLD_TOKENS": "400"}
     if profile == "unsafe":
         env["SGLANG_SM120_MMA_TARGET_CTAS"] = "512"
@@ -26,7 +30,8 @@ async def test_agents_catch_the_long_context_stall(procs: Procs, gateways: list[
     out = tmp_path / "agents.json"
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "loadtest", "agents", "--gateway", g.url, "--sessions", "4", "--rounds", "5",
-        "--growth", "120", "--deadline", "2", "--max-tokens", "8", "--no-tools", "--think-ms", "0", "--out", str(out), cwd=ROOT,
+        "--growth", "120", "--deadline", "2", "--max-tokens", "8", "--no-tools", "--think-ms", "0", "--out", str(out),
+        "--api", api, cwd=ROOT,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     stdout, _ = await asyncio.wait_for(proc.communicate(), 90)
     report = json.loads(out.read_text())
@@ -38,6 +43,7 @@ async def test_agents_catch_the_long_context_stall(procs: Procs, gateways: list[
         first_bad = min(f["round"] for f in report["failures"])
         assert first_bad >= 2 and rounds_ok[0] == 4, "short contexts still work: the stall comes with growth"
         assert all("deadline" in f["why"] for f in report["failures"]), report["failures"]
+        assert report["api"] == api
     else:
         assert proc.returncode == 0 and report["verdict"] == "PASS" and rounds_ok == [4] * 5, stdout.decode()[-2000:]
 
