@@ -18,6 +18,7 @@ from pdgate.auth import hash_key
 from pdgate.config import DeadlineConfig, KeyConfig, ResponsesConfig
 from pdgate.errors import InvalidField
 from pdgate.store.embedded import EmbeddedStore
+from tests.engine.simclient import set_faults
 from tests.pdgate.harness import Running, assert_clean, make_config, start_gateway
 from tests.procs import Procs, Sim
 
@@ -404,3 +405,47 @@ async def test_two_gateways_on_one_redis_continue_each_others_responses(
     assert (await on_a.responses.retrieve(second.id)).output_text == second.output_text, "written by b, read on a"
     with pytest.raises(openai.NotFoundError):
         await sdk(b, "sk-bob-0123456789").responses.retrieve(second.id)
+
+
+async def test_retried_before_its_first_byte_left_and_aborted_by_its_resp_id(
+        procs: Procs, gateways: list[Any], sdk: Clients, http: aiohttp.ClientSession) -> None:
+    """A decode that answers 500: the round is retried on the other pair (nothing reached the client); a client
+    that leaves mid-stream, and an operator's abort by the response's id, leave nothing on the engines."""
+    p = procs.sim("prefill")
+    bad, good = procs.sim("decode", "--fault", "http_500_rate=1"), procs.sim("decode", "--speed", "8")
+    g = await gateway(gateways, [p], [bad, good], policy="round_robin")
+    client = sdk(g)
+    for stream in (False, True, False, True):
+        if stream:
+            async with await client.responses.create(model="sim-model", input="hi", stream=True,
+                                                     max_output_tokens=3) as s:
+                kinds = [ev.type async for ev in s]
+            assert kinds[-1] == "response.incomplete" and "response.failed" not in kinds
+        else:
+            r = await client.responses.create(model="sim-model", input="hi", max_output_tokens=3)
+            assert r.status == "incomplete" and r.output_text
+    retried = [rec for rec in g.gw.traces.finished.values() if len(rec.attempts) == 2]
+    assert retried, "some rounds met the failing decode first and were retried"
+    await set_faults(http, bad, http_500_rate=0)
+    # the client leaves after three deltas
+    async with http.post(g.url + "/v1/responses", json={"model": "sim-model", "input": "hi", "stream": True,
+                                                        "max_output_tokens": 400}) as r:
+        seen = 0
+        async for line in r.content:
+            seen += line.startswith(b"event: response.output_text.delta")
+            if seen == 3:
+                break
+    await assert_clean(http, g.gw, [p, bad, good])
+    # an operator aborts a live stream by its resp_ id
+    async with http.post(g.url + "/v1/responses", json={"model": "sim-model", "input": "hi", "stream": True,
+                                                        "max_output_tokens": 400}) as r:
+        seen = 0
+        async for line in r.content:
+            if line.startswith(b"data:") and b'"response.created"' in line:
+                rid = orjson.loads(line[5:])["response"]["id"]
+                async with http.post(g.admin + f"/v1/requests/{rid}/abort") as a:
+                    assert a.status == 200 and (await a.json())["aborted"] is True
+            if line.startswith(b"data:") and b'"response.failed"' in line:
+                err = orjson.loads(line[5:])["response"]["error"]
+    assert err["code"] == "request_aborted" and "by an operator" in err["message"]
+    await assert_clean(http, g.gw, [p, bad, good])
