@@ -28,6 +28,7 @@ IGNORED = frozenset(("include", "truncation", "reasoning", "prompt_cache_key", "
 PASSED = ("temperature", "top_p", "parallel_tool_calls", "user", "timeout", "seed", "stop", "frequency_penalty",
           "presence_penalty")
 MAX_ITEMS = 10_000
+MAX_CALLS = 128  # tool calls in one answer (OpenAI's tool limit): an engine that numbers more is not followed
 
 
 def response_id(request_id: str) -> str:
@@ -233,20 +234,30 @@ def answer(body: dict[str, Any], chat: bytes, rid: str, created: int) -> tuple[d
     """A chat completion as a Response object, and its output as chat messages (for a continuation)."""
     obj = orjson.loads(chat)
     resp = shell(body, rid, created, "completed")
-    choice = (obj.get("choices") or [{}])[0] if isinstance(obj, dict) else {}
-    msg = choice.get("message") or {}
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    choice = _obj(choices[0]) if isinstance(choices, list) and choices else {}
+    msg = _obj(choice.get("message"))
     base = rid.removeprefix("resp_")
-    content, calls = msg.get("content"), msg.get("tool_calls") or []
+    content, calls = msg.get("content"), msg.get("tool_calls")
     status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
-    if content:
+    if isinstance(content, str) and content:
         resp["output"].append(_message("msg_" + base, content, status))
-    for i, tc in enumerate(calls):
-        fn = tc.get("function") or {}
-        resp["output"].append(_call(f"fc_{base}_{i}", tc.get("id") or f"call_{base}_{i}", fn.get("name") or "",
-                                    fn.get("arguments") or "", "completed"))
+    for i, tc in enumerate(c for c in (calls if isinstance(calls, list) else ()) if isinstance(c, dict)):
+        fn = _obj(tc.get("function"))
+        resp["output"].append(_call(f"fc_{base}_{i}", _str(tc.get("id")) or f"call_{base}_{i}", _str(fn.get("name")),
+                                    _str(fn.get("arguments")), "completed"))
     finish(resp, choice.get("finish_reason"))
     resp["usage"] = usage_of(obj.get("usage") if isinstance(obj, dict) else None)
     return resp, said(resp)
+
+
+def _obj(v: Any) -> dict[str, Any]:
+    """An engine's field as an object (what is not one counts as empty: an engine's garbage loses nothing else)."""
+    return v if isinstance(v, dict) else {}
+
+
+def _str(v: Any) -> str:
+    return v if isinstance(v, str) else ""
 
 
 def said(resp: dict[str, Any]) -> list[dict[str, Any]]:
@@ -335,7 +346,7 @@ class Events:
         choice = choices[0]
         if choice.get("finish_reason") is not None:
             self.finish_reason = choice["finish_reason"]
-        delta = choice.get("delta") or {}
+        delta = _obj(choice.get("delta"))
         out = []
         text = delta.get("content")
         if isinstance(text, str) and text:
@@ -351,16 +362,19 @@ class Events:
             self.pieces.append(text)
             out.append(self._ev("response.output_text.delta", item_id="msg_" + self.base, output_index=self.msg_index,
                                 content_index=0, delta=text, logprobs=[]))
-        for tc in delta.get("tool_calls") or ():
+        calls = delta.get("tool_calls")
+        for tc in calls if isinstance(calls, list) else ():
             if not isinstance(tc, dict):
                 continue
             i = tc.get("index", 0)
-            fn = tc.get("function") or {}
+            if not isinstance(i, int) or (len(self.calls) >= MAX_CALLS and i not in self.calls):
+                continue
+            fn = _obj(tc.get("function"))
             call = self.calls.get(i)
             if call is None:
                 item_id = f"fc_{self.base}_{i}"
-                call = self.calls[i] = [self.next_index, item_id, tc.get("id") or f"call_{self.base}_{i}",
-                                        fn.get("name") or "", []]
+                call = self.calls[i] = [self.next_index, item_id, _str(tc.get("id")) or f"call_{self.base}_{i}",
+                                        _str(fn.get("name")), []]
                 self.next_index += 1
                 out.append(self._ev("response.output_item.added", output_index=call[0],
                                     item=_call(item_id, call[2], call[3], "", "in_progress")))

@@ -449,3 +449,21 @@ async def test_retried_before_its_first_byte_left_and_aborted_by_its_resp_id(
                 err = orjson.loads(line[5:])["response"]["error"]
     assert err["code"] == "request_aborted" and "by an operator" in err["message"]
     await assert_clean(http, g.gw, [p, bad, good])
+
+
+@pytest.mark.parametrize("garbage", [
+    b'data: {"choices": [{"delta": "text"}]}\n\n', b'data: {"choices": [{"delta": {"tool_calls": [{"index": [1]}]}}]}\n\n',
+    b'data: {"choices": [{"delta": {"tool_calls": "x", "content": 5}}]}\n\n', b'data: {"choices": "x"}\n\n',
+    b'data: [1, 2]\n\n', b'data: {not json\n\n', b'data: {"choices": [{"delta": {"tool_calls": [{"function": 7}]}}]}\n\n'])
+def test_an_engine_answering_garbage_loses_nothing_else(garbage: bytes) -> None:
+    """Whatever an engine puts in its events, the stream goes on and ends with its terminal event."""
+    ev = responses.Events({"model": "m"}, "resp_x", 1)
+    ev.feed(garbage + b'data: {"choices":[{"index":0,"delta":{"content":"ok"}}]}\n\n', b"\n\n")
+    ev.feed(b"data: [DONE]\n\n", b"\n\n")
+    final = parse(ev.final)[-1]["response"]
+    msg = next(it for it in final["output"] if it["type"] == "message")
+    assert final["status"] == "completed" and msg["content"][0]["text"] == "ok"
+    obj, said = responses.answer({"model": "m"}, b'{"choices": [{"message": {"content": 3, "tool_calls": [1, {}]}}]}',
+                                 "resp_x", 1)
+    assert obj["output"] == [{"type": "function_call", "id": "fc_x_0", "call_id": "call_x_0", "name": "",
+                              "arguments": "", "status": "completed"}] and said[0]["role"] == "assistant"
