@@ -467,3 +467,25 @@ def test_an_engine_answering_garbage_loses_nothing_else(garbage: bytes) -> None:
                                  "resp_x", 1)
     assert obj["output"] == [{"type": "function_call", "id": "fc_x_0", "call_id": "call_x_0", "name": "",
                               "arguments": "", "status": "completed"}] and said[0]["role"] == "assistant"
+
+
+async def test_json_schema_output_and_an_engine_failure_as_response_failed(
+        procs: Procs, gateways: list[Any], sdk: Clients, http: aiohttp.ClientSession) -> None:
+    p, d = procs.pair(*SPLIT)
+    g = await gateway(gateways, [p], [d], max_attempts=2)
+    client = sdk(g)
+    schema = {"type": "object", "required": ["city", "days"], "properties": {
+        "city": {"type": "string", "enum": ["Lisbon"]}, "days": {"type": "integer", "minimum": 2, "maximum": 5}}}
+    r = await client.responses.create(model="sim-model", input="plan a trip", max_output_tokens=64,
+                                      text={"format": {"type": "json_schema", "name": "trip", "schema": schema}})
+    got = json.loads(r.output_text)
+    assert got["city"] == "Lisbon" and 2 <= got["days"] <= 5 and r.text.format.type == "json_schema"
+    await set_faults(http, d, http_500_rate=1)
+    async with await client.responses.create(model="sim-model", input="hi", stream=True, max_output_tokens=4) as s:
+        evs = [ev async for ev in s]
+    assert [e.type for e in evs] == ["response.created", "response.in_progress", "response.failed"]
+    assert evs[-1].response.error.code == "upstream_5xx" and "answered 500" in evs[-1].response.error.message
+    with pytest.raises(openai.InternalServerError):
+        await client.responses.create(model="sim-model", input="hi", max_output_tokens=4)
+    await set_faults(http, d, http_500_rate=0)
+    await assert_clean(http, g.gw, [p, d])
