@@ -24,6 +24,7 @@ relayed event, KB per live stream, errors, and the events/s at which the p99 add
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -36,7 +37,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
 from loadtest import overload, streams
 from loadtest.output import pyplot, write
@@ -98,8 +98,9 @@ def start_targets(stack: Stack, mini_lb: bool, fake: bool = False) -> tuple[dict
 
 
 def measure(workers: dict[str, Any], url: str, proc: Proc | None, conc: int, stream: bool, duration: float,
-            rate: float = 0) -> dict[str, Any]:
-    args = ["--concurrency", str(conc), "--duration", str(duration), "--rate", str(rate)] + (["--stream"] if stream else [])
+            rate: float = 0, slo: tuple[float, float] = (500.0, 2000.0)) -> dict[str, Any]:
+    args = ["--concurrency", str(conc), "--duration", str(duration), "--rate", str(rate), "--slo-ttft-ms", str(slo[0]),
+            "--slo-total-ms", str(slo[1])] + (["--stream"] if stream else [])
     if url:
         args += ["--mode", "gateway", "--url", url]
     else:
@@ -136,17 +137,18 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
                 conc, stream, rate = WORKLOADS[wl]
                 bar.update(job, description=f"{wl} {name} #{rep + 1}")
                 url, proc = targets[name]
-                res = measure(workers, url, proc, conc, stream, a.duration, rate)
+                res = measure(workers, url, proc, conc, stream, a.duration, rate, (a.slo_ttft_ms, a.slo_total_ms))
                 results.setdefault(wl, {}).setdefault(name, []).append(res)
                 bar.advance(job)
     finally:
         stack.close()
     summary = summarize(results)
     out = {"command": " ".join(sys.argv), "workers": a.workers, "duration_s": a.duration, "repeats": a.repeats,
-           "logs": str(tmp),
+           "slo": {"ttft_ms": a.slo_ttft_ms, "total_ms": a.slo_total_ms}, "logs": str(tmp),
            "results": summary, "raw": results}
     print_table(console, summary, "PD gateways on the same " + ("zero-cost fake workers" if a.workers == "fake"
-                                                                else "sim workers (speed 0)"))
+                                                                else "sim workers (speed 0)")
+                + f"; goodput: TTFT <= {a.slo_ttft_ms:g} ms and total <= {a.slo_total_ms:g} ms")
     write(out, a.out, lambda _, png: plot(summary, png))
     console.print(f"wrote {a.out} and {Path(a.out).with_suffix('.png')}")
     return out
@@ -178,13 +180,15 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, 
 def print_table(console: Console, summary: dict[str, dict[str, dict[str, Any]]], title: str) -> None:
     """As the CLI lays tables out (``pdgate.views.layout``): every value whole; where the columns do not fit the
     terminal (or a pipe's 80 columns), one record per row."""
-    cols = ["target", "workload", "req/s", "vs direct", "p50 ms", "p99 ms", "p50 +ms over direct", "ttft p50 ms",
-            "target CPU µs/req", "workers CPU µs/req", "gen CPU µs/req", "all CPU µs/req", "CPU-bound req/s", "errors"]
+    cols = ["target", "workload", "req/s", "goodput req/s", "tok/s", "goodput tok/s", "vs direct", "p50 ms", "p99 ms",
+            "p50 +ms over direct", "ttft p50 ms", "target CPU µs/req", "workers CPU µs/req", "gen CPU µs/req", "all CPU µs/req", "CPU-bound req/s", "errors"]
     rows: list[list[Any]] = []
     for wl, by in summary.items():
         for name, m in by.items():
             added = f"{m['p50_added_ms']:+.1f}" if "p50_added_ms" in m and name != "direct" else "-"
-            rows.append([name, wl, f"{m['rps']:.0f}", f"{m['rps_vs_direct']:.2f}", f"{m['p50_ms']:.1f}", f"{m['p99_ms']:.1f}",
+            rows.append([name, wl, f"{m['rps']:.0f}", f"{m.get('goodput_rps', 0):.0f}", f"{m.get('tokens_s', 0):.0f}",
+                      f"{m.get('goodput_tokens_s', 0):.0f}", f"{m['rps_vs_direct']:.2f}", f"{m['p50_ms']:.1f}",
+                      f"{m['p99_ms']:.1f}",
                       added, f"{m['ttft_p50_ms']:.1f}",
                       str(m.get("target_cpu_us_per_req", "-")), str(m.get("workers_cpu_us_per_req", "-")),
                       str(m.get("generator_cpu_us_per_req", "-")), str(m.get("machine_cpu_us_per_req", "-")),
@@ -255,23 +259,37 @@ def targets_run(a: argparse.Namespace) -> dict[str, Any]:
         for rep in range(a.repeats):
             for url in a.target:
                 bar.update(job, description=f"{wl} {url} #{rep + 1}")
-                res = measure({}, url.rstrip("/"), None, a.concurrency, a.stream, a.duration, a.rate)
+                res = measure({}, url.rstrip("/"), None, a.concurrency, a.stream, a.duration, a.rate,
+                              (a.slo_ttft_ms, a.slo_total_ms))
                 results.setdefault(wl, {}).setdefault(url, []).append(res)
                 bar.advance(job)
     summary = summarize(results)
-    out = {"command": " ".join(sys.argv), "results": summary, "raw": results}
-    t = Table(title=f"bench {wl}")
-    for col in ("target", "req/s", "p50 ms", "p99 ms", "ttft p50", "ttft p99", "tpot p50", "tpot p99", "errors", "gen CPU"):
-        t.add_column(col, justify="right")
-    for url, m in summary[wl].items():
-        t.add_row(url, f"{m['rps']:.0f}", str(m["p50_ms"]), str(m["p99_ms"]), str(m["ttft_p50_ms"]), str(m["ttft_p99_ms"]),
-                  str(m["tpot_p50_ms"]), str(m["tpot_p99_ms"]), str(int(m["errors"])), f"{m['generator_cpu_share']:.2f}")
-    console.print(t)
+    out = {"command": " ".join(sys.argv), "slo": {"ttft_ms": a.slo_ttft_ms, "total_ms": a.slo_total_ms},
+           "results": summary, "raw": results}
+    cols = ["target", "req/s", "goodput req/s", "tok/s", "goodput tok/s", "p50 ms", "p99 ms", "ttft p50 ms",
+            "ttft p99 ms", "tpot p50 ms", "tpot p99 ms", "errors", "gen CPU"]
+    rows = [[url, f"{m['rps']:.0f}", f"{m['goodput_rps']:.0f}", f"{m['tokens_s']:.0f}", f"{m['goodput_tokens_s']:.0f}",
+             str(m["p50_ms"]), str(m["p99_ms"]), str(m["ttft_p50_ms"]), str(m["ttft_p99_ms"]), str(m["tpot_p50_ms"]),
+             str(m["tpot_p99_ms"]), str(int(m["errors"])), f"{m['generator_cpu_share']:.2f}"]
+            for url, m in summary[wl].items()]
+    console.print(layout(f"bench {wl}; goodput: TTFT <= {a.slo_ttft_ms:g} ms and total <= {a.slo_total_ms:g} ms",
+                         cols, rows, console.width))
     write(out, a.out, lambda _, png: plot(summary, png))
     return out
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
+    """The workload asked for; with ``--json`` its results go to stdout as one JSON object, the tables and the
+    progress to stderr (a pipe gets what it can parse)."""
+    if not a.json:
+        return run_one(a)
+    with contextlib.redirect_stdout(sys.stderr):
+        out = run_one(a)
+    sys.stdout.write(json.dumps(out) + "\n")
+    return out
+
+
+def run_one(a: argparse.Namespace) -> dict[str, Any]:
     if a.streams_workload:
         return streams.run(a)
     if a.overload:
@@ -303,6 +321,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     p.add_argument("--out", default="runs/bench.json")
+    p.add_argument("--json", action="store_true", help="the results as one JSON object on stdout (tables to stderr)")
+    p.add_argument("--slo-ttft-ms", type=float, default=500,
+                   help="goodput: requests (and tokens) whose first token came within this, ...")
+    p.add_argument("--slo-total-ms", type=float, default=2000, help="... and whose whole answer within this")
     overload.add_flags(p)
     streams.add_flags(p)
     p.set_defaults(func=run)

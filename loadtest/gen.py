@@ -3,6 +3,11 @@
 Modes: ``gateway`` sends one request per op to a gateway; ``direct`` plays the router
 itself and sends both PD legs (with bootstrap fields) straight to a prefill and a decode
 worker, which is what "direct to the engines" means for PD. Prints one JSON object.
+
+Goodput: the requests (and their completion tokens) that met the SLO, a first token within ``--slo-ttft-ms``
+and the whole answer within ``--slo-total-ms`` of its start (an open loop: of its scheduled arrival), per second,
+beside raw throughput. Tokens are counted from the answer: a stream's data events less ``[DONE]``, a whole answer's
+``usage.completion_tokens``.
 """
 
 from __future__ import annotations
@@ -28,9 +33,14 @@ def body(stream: bool, max_tokens: int) -> dict[str, Any]:
 TPOT: list[float] = []  # per request: (last chunk - first chunk) / (events - 1), streaming only
 
 
-async def one_gateway(s: aiohttp.ClientSession, url: str, data: bytes, stream: bool) -> tuple[bool, float]:
+USAGE = b'"completion_tokens":'
+
+
+async def one_gateway(s: aiohttp.ClientSession, url: str, data: bytes, stream: bool) -> tuple[bool, float, int]:
+    """Whether it answered 200, its time to first token, and its completion tokens."""
     t0 = time.perf_counter()
     ttft = 0.0
+    tokens = 0
     async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
         if stream:
             events, last = 0, 0.0
@@ -41,13 +51,20 @@ async def one_gateway(s: aiohttp.ClientSession, url: str, data: bytes, stream: b
                 events += chunk.count(b"\n\n")
             if events > 2:  # the last event is [DONE]
                 TPOT.append((last - ttft) / (events - 2))
+            tokens = max(0, events - 1)
         else:
-            await r.read()
+            answer = await r.read()
             ttft = time.perf_counter() - t0
-        return r.status == 200, ttft
+            i = answer.find(USAGE)
+            if i >= 0:
+                digits = answer[i + len(USAGE):i + len(USAGE) + 12].lstrip(b" ")
+                n = len(digits) - len(digits.lstrip(b"0123456789"))
+                tokens = int(digits[:n] or b"0")
+        return r.status == 200, ttft, tokens
 
 
-async def one_direct(s: aiohttp.ClientSession, a: argparse.Namespace, b: dict[str, Any], stream: bool) -> tuple[bool, float]:
+async def one_direct(s: aiohttp.ClientSession, a: argparse.Namespace, b: dict[str, Any],
+                     stream: bool) -> tuple[bool, float, int]:
     room = random.getrandbits(63)
     data = orjson.dumps({**b, "bootstrap_host": "127.0.0.1", "bootstrap_port": a.bootstrap_port, "bootstrap_room": room})
 
@@ -57,8 +74,8 @@ async def one_direct(s: aiohttp.ClientSession, a: argparse.Namespace, b: dict[st
             return r.status == 200
 
     p = asyncio.ensure_future(prefill())
-    ok, ttft = await one_gateway(s, a.decode + "/v1/chat/completions", data, stream)
-    return (await p) and ok, ttft
+    ok, ttft, tokens = await one_gateway(s, a.decode + "/v1/chat/completions", data, stream)
+    return (await p) and ok, ttft, tokens
 
 
 async def run(a: argparse.Namespace) -> dict[str, Any]:
@@ -66,25 +83,32 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     data = orjson.dumps(b)
     lat: list[float] = []
     ttfts: list[float] = []
-    errors = 0
+    errors = good = tokens_all = tokens_good = 0
+    slo_ttft, slo_total = a.slo_ttft_ms / 1000, a.slo_total_ms / 1000
     end = time.perf_counter() + a.duration
     warm_end = time.perf_counter() + a.warmup
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
         async def op(t0: float) -> None:
-            nonlocal errors
+            nonlocal errors, good, tokens_all, tokens_good
+            sent = time.perf_counter()
             try:
                 if a.mode == "direct":
-                    ok, ttft = await one_direct(s, a, b, a.stream)
+                    ok, ttft, n = await one_direct(s, a, b, a.stream)
                 else:
-                    ok, ttft = await one_gateway(s, a.url + "/v1/chat/completions", data, a.stream)
+                    ok, ttft, n = await one_gateway(s, a.url + "/v1/chat/completions", data, a.stream)
             except (aiohttp.ClientError, TimeoutError):
-                ok, ttft = False, 0.0
+                ok, ttft, n = False, 0.0, 0
             if t0 < warm_end:
                 return
             if ok:
-                lat.append(time.perf_counter() - t0)
+                took = time.perf_counter() - t0
+                lat.append(took)
                 ttfts.append(ttft)
+                tokens_all += n
+                if ttft + (sent - t0) <= slo_ttft and took <= slo_total:  # from its arrival, as the client sees it
+                    good += 1
+                    tokens_good += n
             else:
                 errors += 1
 
@@ -124,6 +148,9 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     return {"ok": len(lat), "errors": errors, "seconds": round(wall, 3), "rps": round(len(lat) / wall, 1),
             "p50_ms": pct(lat, 0.5), "p99_ms": pct(lat, 0.99), "ttft_p50_ms": pct(ttfts, 0.5),
             "ttft_p99_ms": pct(ttfts, 0.99), "tpot_p50_ms": pct(sorted(TPOT), 0.5), "tpot_p99_ms": pct(sorted(TPOT), 0.99),
+            "tokens_s": round(tokens_all / wall, 1), "goodput_rps": round(good / wall, 1),
+            "goodput_tokens_s": round(tokens_good / wall, 1), "slo_met": round(good / max(len(lat) + errors, 1), 4),
+            "slo_ttft_ms": a.slo_ttft_ms, "slo_total_ms": a.slo_total_ms,
             "generator_cpu_s": round(cpu, 3),
             "generator_cpu_share": round(cpu / (wall + a.warmup), 3)}
 
@@ -141,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=float, default=1)
     p.add_argument("--stream", action="store_true")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--slo-ttft-ms", type=float, default=500, help="goodput: the first token within this")
+    p.add_argument("--slo-total-ms", type=float, default=2000, help="goodput: the whole answer within this")
     a = p.parse_args(argv)
     a.duration += a.warmup
     out = uvloop.run(run(a))

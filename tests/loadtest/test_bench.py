@@ -74,3 +74,29 @@ def test_a_comparison_without_sglang_router_says_what_is_missing(args: list[str]
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert "sglang-router is not installed here" in out.stderr and "pip install sglang-router==0.3.2" in out.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+async def test_bench_reports_goodput_against_its_slo_and_json_on_stdout(procs: Procs, gateways: list[Any],
+                                                                        tmp_path: Path) -> None:
+    """Goodput is judged on the generator's clock against the SLO it was given: every request within a loose SLO,
+    none within an impossible one; tokens counted from the answers (16 each); --json: stdout parses, the table
+    goes to stderr."""
+    import asyncio
+
+    p, d = procs.pair("--speed", "0")
+    g = await start_gateway(make_config([p], [d]))
+    gateways.append(g)
+    got = {}
+    for name, slo in (("loose", ("60000", "60000")), ("impossible", ("0.001", "60000"))):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "loadtest", "bench", "--target", g.url, "--concurrency", "4", "--duration", "1.5",
+            "--slo-ttft-ms", slo[0], "--slo-total-ms", slo[1], "--json", "--out", str(tmp_path / f"{name}.json"),
+            cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, stderr.decode()[-2000:]
+        got[name] = json.loads(stdout)["results"]["ns4"][g.url]
+        assert "goodput" in stderr.decode() and "bench ns4" in stderr.decode()
+    loose, impossible = got["loose"], got["impossible"]
+    assert loose["ok"] > 0 and abs(loose["goodput_rps"] - loose["rps"]) <= 0.2 and loose["slo_met"] == 1.0
+    assert abs(loose["tokens_s"] - 16 * loose["rps"]) <= 16 and loose["goodput_tokens_s"] == loose["tokens_s"]
+    assert impossible["ok"] > 0 and impossible["goodput_rps"] == 0 and impossible["goodput_tokens_s"] == 0
