@@ -200,8 +200,11 @@ class Control:
                 rids[a.rid] = (a.prefill, a.decode)
             if ctx.holds and ctx.tenant is not None:
                 tenants[ctx.tenant.name] = tenants.get(ctx.tenant.name, 0) + 1
+        now = gw.now()
+        limits = {w.id: w.slots.learned.value(w.engine_max) for w in gw.pool.by_id.values()
+                  if w.slots.learned is not None and w.slots.learned.measured(now)}  # measured: others take it
         info = {**self.reachable, "state": "draining" if self.draining else "live", "pid": os.getpid(),
-                "host": socket.gethostname()}
+                "host": socket.gethostname(), "limits": limits}
         return Beat(info, rids, {w.id: len(w.bound) for w in gw.pool.by_id.values()}, tenants)
 
     async def beats(self) -> None:
@@ -211,11 +214,15 @@ class Control:
         while True:
             try:
                 others = await self.store.heartbeat(self.beat())
+                peers = [i.get("limits") or {} for name, i in getattr(self.store, "registry", {}).items()
+                         if name != gw.instance and i.get("state") == "live"]
                 for w in gw.pool.by_id.values():
                     if others is None:  # the store unreachable: each limit is divided among the instances last seen
                         w.slots.others, w.slots.share = 0, getattr(self.store, "instances_seen", 1)
                     else:
                         w.slots.others, w.slots.share = others.get(w.id, 0), 1
+                    theirs = [v for p in peers if isinstance(v := p.get(w.id), int) and v > 0]
+                    w.slots.peers = min(theirs) if theirs and others is not None else None
                 gw.gate.pump()
             except Exception:  # a heartbeat must survive anything
                 log.exception("heartbeat failed")

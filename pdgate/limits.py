@@ -63,6 +63,7 @@ class Limiter:
     binding: bool = False  # since the last update, the limit held a request back
     next_at: float = 0.0
     budget: float = math.inf  # the least TTFT budget among this update's samples
+    sampled_at: float = -math.inf  # its last sample (another gateway process takes its figure while it is recent)
     _fresh: bool = False  # ``waiting`` came with a probe since the last cut
     _samples: list[float] = field(default_factory=list)
     _mins: deque[tuple[float, float]] = field(default_factory=deque)  # (time, least sample of an update)
@@ -84,6 +85,7 @@ class Limiter:
         """A request's latency on the worker (``budget``: its TTFT budget). What moved, if the limit did."""
         if len(self._samples) < 512:  # bounded between updates: the median of the first 512 is enough
             self._samples.append(latency)
+        self.sampled_at = now
         if budget < self.budget:
             self.budget = budget
         return self.update(now, engine_max)
@@ -149,6 +151,10 @@ class Limiter:
             self.limit = min(top, self.limit + step)
             return "it keeps up and requests waited for it"
         return None
+
+    def measured(self, now: float) -> bool:
+        """Whether it rests on samples of the last window (a figure other gateway processes may take)."""
+        return now - self.sampled_at <= self.rules.window_s
 
     def view(self, engine_max: int | None) -> dict[str, object]:
         return {"limit": self.value(engine_max), "baseline_ms": _ms(self.baseline), "latency_ms": _ms(self.latency),

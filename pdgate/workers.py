@@ -140,6 +140,7 @@ class Slots:
     others: int = 0  # what the other gateway processes sharing our store hold on it (pdgate.store)
     share: int = 1  # the store unreachable: its capacity is divided among this many instances, last seen
     learned: Limiter | None = None  # the limit learned from what it serves in time (pdgate.limits; None: off)
+    peers: int | None = None  # the least limit other gateway processes sharing our store learned of it lately
 
 
 UNKNOWN_MAX = 4096  # an engine that reports no maximum: the most of our requests (and connections) it is given
@@ -187,8 +188,10 @@ class Worker:
         s = self.slots
         if s.configured:
             cap: int | None = s.configured
-        elif s.learned is not None:
+        elif s.learned is not None:  # one figure for every process: the least any of them measured lately
             cap = s.learned.value(self.engine_max)
+            if s.peers is not None:
+                cap = min(cap, s.peers)
         else:
             cap = s.engine
         return cap if cap is None or s.share == 1 else max(1, cap // s.share)
@@ -301,7 +304,8 @@ class Worker:
             "stalled_s": round(self.stalled_for(now), 3), "fixes": info.fixes, "models": list(info.models),
             "last_error": self.checks.last_error, "queues": info.queues, "orphans": self.orphans, "drift": self.drift,
             "capacity": self.limit(now), "engine_max": self.slots.engine, "configured": self.slots.configured,
-            "learned": self.slots.learned.view(self.engine_max) if self.slots.learned else None,
+            "learned": ({**self.slots.learned.view(self.engine_max), "peers": self.slots.peers}
+                        if self.slots.learned else None),
         }
 
 

@@ -297,6 +297,7 @@ class RedisStore:
             ("put_response", PUT_RESPONSE))}
         self.instance = ""
         self.instances_seen = 1  # live instances at the last heartbeat (the fallback divides limits by it)
+        self.registry: dict[str, dict[str, Any]] = {}  # their entries then (their learned limits among them)
         self.local = EmbeddedStore(cfg.lease_s, lambda: self.instances_seen)
         self.reachable = True
         self.fallbacks = 0  # calls answered by the local share
@@ -520,6 +521,7 @@ class RedisStore:
             self.resync = not (clean and self.sent == sent and whole)
         if live is not None:
             self.instances_seen = max(1, len(live))
+            self.registry = live
         version = int(got[0])
         if version != self.version:
             self.version = version

@@ -86,3 +86,46 @@ async def test_without_it_the_engine_reported_figure_lets_goodput_collapse(procs
     out = await run(procs, gateways, learn=False, change=False)
     assert out["first"] < 3.0, f"goodput {out['first']:.1f}/s: expected a collapse without the learned limit"
     assert set(n for n in out["limits"] if n is not None) == {1024}
+
+
+async def test_gateway_processes_on_one_store_hold_the_least_limit_any_of_them_learned(procs: Procs,
+                                                                                       gateways: list[Any]) -> None:
+    """Two gateways on one Redis: what one learned of a prefill (here 3) is what the other admits there, though it
+    measured nothing itself (its own figure is still the initial 16); judged by what the engine holds at once."""
+    from pdgate.config import StoreConfig
+    from tests.engine.simclient import engine_requests
+
+    redis = procs.redis()
+    p = procs.sim("prefill", "--speed", "25", "--max-running-requests", "1024")
+    d = procs.sim("decode")
+    store = StoreConfig(url=redis.url, lease_s=2.0, heartbeat_s=0.3)
+    a = await start_gateway(make_config([p], [d], store=store, health=HealthConfig(interval_s=0.5)))
+    gateways.append(a)
+    b = await start_gateway(make_config([p], [d], store=store, health=HealthConfig(interval_s=0.5)))
+    gateways.append(b)
+    wa = next(w for w in a.gw.pool.by_id.values() if w.role == "prefill")
+    wb = next(w for w in b.gw.pool.by_id.values() if w.role == "prefill")
+    assert wa.slots.learned is not None and wb.slots.learned is not None
+    wa.slots.learned.limit, wa.slots.learned.sampled_at = 3.0, a.gw.now()  # what a learned of it just now
+    async with aiohttp.ClientSession() as http:
+        for _ in range(50):
+            async with http.get(b.admin + "/v1/workers") as r:
+                view = next(w for w in (await r.json())["workers"] if w["role"] == "prefill")
+            if view["capacity"] == 3:
+                break
+            await asyncio.sleep(0.1)
+        assert view["capacity"] == 3 and view["learned"]["peers"] == 3 and view["learned"]["limit"] == 16, view
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+        async def one() -> int:
+            async with http.post(b.url + "/v1/chat/completions", json=body) as r:
+                await r.read()
+                return r.status
+
+        sent = [asyncio.create_task(one()) for _ in range(10)]
+        most = 0
+        while not all(t.done() for t in sent):
+            most = max(most, len(await engine_requests(http, p)))
+            await asyncio.sleep(0.02)
+        assert [t.result() for t in sent] == [200] * 10
+        assert 1 <= most <= 3, f"the prefill held {most} of b's requests at once; a's limit is 3"
