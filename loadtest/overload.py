@@ -19,6 +19,13 @@ capacity), the share of requests that got any terminal answer within their budge
 how long shed requests waited (p50/p99 of 429/503 answers), 504s, and the engine's wasted prefill work
 (prefills computed for requests that did not complete within their budget, from the sim's
 ``num_prefill_forwards``). JSON and a PNG under ``runs/``.
+
+``--speed-change``: the engine's speed changes under load. pdgate on its defaults (the limit learned) and with
+admission off, each in turn, get ``--change-load`` x capacity for three phases of ``--phase-s`` seconds; in the
+second the prefill takes twice as long (sim fault ``slow_prefill`` = ``--prefill-s``: it serves half as many), in
+the third it is back. Reported per phase: goodput against that phase's capacity, the learned limit (read from
+the admin plane every 0.5 s) and how long after each change it took the limit to reach its new level (the
+phase's last-half median, within one); per second: goodput and the limit, plotted.
 """
 
 from __future__ import annotations
@@ -154,8 +161,10 @@ def summarize(reqs: list[dict[str, Any]], seconds: float, capacity: float, total
     }
 
 
-def start(tmp: Path, a: argparse.Namespace, procs: list[Proc]) -> tuple[dict[str, str], str, str]:
-    """The workers and the four targets; every process goes into ``procs`` as soon as it starts."""
+def start(tmp: Path, a: argparse.Namespace, procs: list[Proc],
+          admins: dict[str, str] | None = None) -> tuple[dict[str, str], str, str]:
+    """The workers and the five targets; every process goes into ``procs`` as soon as it starts (``admins``: the
+    pdgate targets' admin planes, filled)."""
     require_router()
     py = sys.executable
     pp, bp, dp = free_port(), free_port(), free_port()
@@ -172,9 +181,11 @@ def start(tmp: Path, a: argparse.Namespace, procs: list[Proc]) -> tuple[dict[str
     hand = a.hand_capacity
     for name, admission in (("pdgate-learned", ""), (f"pdgate-capacity-{hand}", f"capacity = {hand}\n"),
                             ("pdgate-no-admission", "enabled = false\n")):
-        port = free_port()
+        port, admin_port = free_port(), free_port()
+        if admins is not None:
+            admins[name] = f"http://127.0.0.1:{admin_port}"
         cfg = tmp / f"{name}.toml"
-        cfg.write_text(f"[gateway]\nport = {port}\nadmin_port = {free_port()}\n[admission]\n{admission}"
+        cfg.write_text(f"[gateway]\nport = {port}\nadmin_port = {admin_port}\n[admission]\n{admission}"
                        "[reconcile]\nenabled = false\n" + worker_tables([(pre, bp)], [dec]))
         procs.append(Proc([py, "-m", "pdgate", "serve", "--config", str(cfg), "--log-level", "WARNING"], {},
                           tmp / f"{name}.log").start())
@@ -256,16 +267,137 @@ def plot(out: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+async def limit_series(admin: str, until: float, into: list[tuple[float, int | None]]) -> None:
+    """The prefill's capacity as the admin plane says it, every 0.5 s until ``until`` (loop time)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while time.monotonic() < until:
+            try:
+                async with http.get(admin + "/v1/workers") as r:
+                    ws = (await r.json())["workers"]
+                into.append((time.monotonic(), next((w["capacity"] for w in ws if w["role"] == "prefill"), None)))
+            except (aiohttp.ClientError, TimeoutError, KeyError, ValueError):
+                into.append((time.monotonic(), None))
+            await asyncio.sleep(0.5)
+
+
+async def set_slow(pre: str, seconds: float) -> None:
+    async with aiohttp.ClientSession() as http, http.post(pre + "/pdgate/v1/faults", json={"slow_prefill": seconds}) as r:
+        r.raise_for_status()
+
+
+def settle_s(series: list[tuple[float, int]], since: float, until: float) -> float | None:
+    """Seconds after ``since`` until the limit came within one of the level it holds in [since, until]'s second
+    half (its median there) and stayed so; None: it never did."""
+    phase = [(t, v) for t, v in series if since <= t < until]
+    late = sorted(v for t, v in phase if t >= (since + until) / 2)
+    if not late:
+        return None
+    level = late[len(late) // 2]
+    off = [t for t, v in phase if abs(v - level) > 1]
+    return round(max(off) - since + 0.5, 2) if off else 0.0
+
+
+async def speed_change(a: argparse.Namespace, targets: dict[str, str], admins: dict[str, str], pre: str, dec: str,
+                       console: Console) -> dict[str, Any]:
+    await asyncio.sleep(1.0)
+    capacity = await closed_loop(targets["pdgate-no-admission"], 8, a.calibrate)
+    console.print(f"measured capacity: {capacity:.2f} requests/s (closed loop, 8 connections, {a.calibrate:g} s)")
+    ph = a.phase_s
+    out: dict[str, Any] = {}
+    async with aiohttp.ClientSession() as http:
+        for name in ("pdgate-learned", "pdgate-no-admission"):
+            await engine_idle(http, [pre, dec])
+            console.print(f"  {name}: {a.change_load:g}x for {3 * ph:g} s, the prefill half as fast from {ph:g} s to "
+                          f"{2 * ph:g} s ...")
+            t0 = time.monotonic()
+            series: list[tuple[float, int | None]] = []
+            poll = asyncio.create_task(limit_series(admins[name], t0 + 3 * ph + 1, series))
+
+            async def changes() -> None:
+                await asyncio.sleep(ph)
+                await set_slow(pre, a.prefill_s)
+                await asyncio.sleep(ph)
+                await set_slow(pre, 0.0)
+
+            flip = asyncio.create_task(changes())
+            reqs = await open_loop(targets[name], a.change_load * capacity, 3 * ph, a.ttft, a.total, a.seed)
+            await flip
+            await poll
+            await set_slow(pre, 0.0)
+            good = [r["t"] + r["s"] - t0 for r in reqs if r["status"] == 200 and r["s"] <= a.total + SLACK_S]
+            seconds = int(3 * ph) + 3
+            per_s = [sum(1 for g in good if i <= g < i + 1) for i in range(seconds)]
+            lim = [(t - t0, v) for t, v in series if v is not None]
+            phases = []
+            for i, cap in enumerate((capacity, capacity / 2, capacity)):
+                lo, hi = i * ph, (i + 1) * ph
+                g = sum(1 for x in good if lo + 2 <= x < hi) / max(ph - 2, 1e-3)  # its first 2 s: the change settling
+                vals = [v for t, v in lim if lo <= t < hi]
+                phases.append({"phase": ("before", "half speed", "back")[i], "capacity_rps": round(cap, 2),
+                               "goodput_rps": round(g, 2), "goodput_x_capacity": round(g / cap, 3),
+                               "limit_median": sorted(vals)[len(vals) // 2] if vals else None,
+                               "limit_settled_s": settle_s(lim, lo, hi) if i else None})
+            out[name] = {"phases": phases, "goodput_per_s": per_s, "limit": [(round(t, 2), v) for t, v in lim],
+                         "codes": summarize(reqs, 3 * ph, capacity, a.total, 0)["codes"]}
+    return {"capacity_rps": round(capacity, 3), "speed_change": out}
+
+
+def report_change(console: Console, out: dict[str, Any]) -> None:
+    cols = ["target", "phase", "capacity/s", "goodput/s", "x cap", "limit", "limit settled s"]
+    rows = [[name, p["phase"], str(p["capacity_rps"]), str(p["goodput_rps"]), str(p["goodput_x_capacity"]),
+             str(p["limit_median"]), str(p["limit_settled_s"] if p["limit_settled_s"] is not None else "-")]
+            for name, m in out["speed_change"].items() for p in m["phases"]]
+    console.print(layout(f"speed change: capacity {out['capacity_rps']} req/s before and after, half of it between; "
+                         f"{out['change_load']}x offered", cols, rows, console.width))
+
+
+def plot_change(out: dict[str, Any], path: Path) -> None:
+    plt = pyplot(path)
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2))
+    ph = out["phase_s"]
+    for i, (name, m) in enumerate(out["speed_change"].items()):
+        axes[0].plot(range(len(m["goodput_per_s"])), m["goodput_per_s"], marker=".", color=f"C{i}", label=name)
+        if any(v for _, v in m["limit"]) and name == "pdgate-learned":
+            axes[1].step([t for t, _ in m["limit"]], [v for _, v in m["limit"]], where="post", color=f"C{i}",
+                         label=f"{name}: learned limit")
+    cap = out["capacity_rps"]
+    axes[0].plot([0, ph, ph, 2 * ph, 2 * ph, 3 * ph], [cap, cap, cap / 2, cap / 2, cap, cap], "k--",
+                 label="the engine's capacity")
+    for ax in axes:
+        for x in (ph, 2 * ph):
+            ax.axvline(x, color="grey", lw=0.8)
+        ax.set_xlabel("seconds since the first arrival (grey: the prefill halves its speed, then recovers)")
+        ax.legend(fontsize=7, loc="best")
+    axes[0].set_ylabel("requests answered in their deadline per second")
+    axes[0].set_title("goodput per second", fontsize=9)
+    axes[1].set_ylabel("limit (requests on the prefill)")
+    axes[1].set_title("the prefill's learned limit, read from /v1/workers", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     console = Console()
     tmp = Path(tempfile.mkdtemp(prefix="pdgate-overload-"))
     procs: list[Proc] = []
+    admins: dict[str, str] = {}
     try:
-        targets, pre, dec = start(tmp, a, procs)
-        out = uvloop.run(measure(a, targets, pre, dec, console))
+        targets, pre, dec = start(tmp, a, procs, admins)
+        if a.speed_change:
+            out = uvloop.run(speed_change(a, targets, admins, pre, dec, console))
+        else:
+            out = uvloop.run(measure(a, targets, pre, dec, console))
     finally:
         for p in reversed(procs):
             p.stop()
+    if a.speed_change:
+        out = {"command": " ".join(sys.argv), "ttft_s": a.ttft, "total_s": a.total, "prefill_s": a.prefill_s,
+               "engine_capacity": a.capacity, "phase_s": a.phase_s, "change_load": a.change_load, **out}
+        report_change(console, out)
+        write(out, a.out, plot_change)
+        return out
     out = {"command": " ".join(sys.argv), "ttft_s": a.ttft, "total_s": a.total, "prefill_s": a.prefill_s,
            "engine_capacity": a.capacity, "duration_s": a.duration, **out}
     report(console, out)
@@ -286,3 +418,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    "pdgate's [admission] capacity and sglang-router's --max-concurrent-requests")
     p.add_argument("--calibrate", type=float, default=6.0, help="--overload: seconds of the capacity measurement")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--speed-change", action="store_true", help="--overload: the prefill halves its speed mid-run, "
+                   "then recovers; the learned limit and goodput followed over time")
+    p.add_argument("--phase-s", type=float, default=10.0, help="--speed-change: seconds of each phase")
+    p.add_argument("--change-load", type=float, default=2.0, help="--speed-change: offered x capacity")

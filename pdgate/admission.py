@@ -127,7 +127,7 @@ class Gate:
         self.cfg, self.routing, self.store, self.metrics, self.clock = cfg, routing, store, metrics, clock
         self.queue = FairQueue()
         self.rates = Rates(cfg.window_s)
-        self.learning = cfg.enabled and cfg.learn and not cfg.capacity
+        self.learning = cfg.learns
         self._pumping = False
         self._again = False
 

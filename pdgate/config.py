@@ -145,6 +145,11 @@ class AdmissionConfig:
     learn_tolerance: float = 2.0  # latency above this many times the worker's no-load latency: it queues
     learn_window_s: float = 10.0  # the no-load latency is the least seen within this window
 
+    @property
+    def learns(self) -> bool:
+        """Whether each worker's limit is learned: admission on, learning on, and no capacity set by hand."""
+        return self.enabled and self.learn and not self.capacity
+
 
 @dataclass(frozen=True)
 class KeyConfig:

@@ -39,10 +39,10 @@ log = logging.getLogger("pdgate")
 
 
 def limit_rules(a: AdmissionConfig) -> dict[str, LimitRules] | None:
-    """Each role's rules for a learned limit (None: admission or learning off). A decode's gaps between
+    """Each role's rules for a learned limit (None: not learned, ``AdmissionConfig.learns``). A decode's gaps between
     tokens may grow further than a prefill's latency before it counts as queueing: a decode batch's step
     grows slowly with its size, and its users read at a pace."""
-    if not (a.enabled and a.learn):
+    if not a.learns:
         return None
     base = LimitRules(initial=a.learn_initial, cap=a.learn_cap or None, tolerance=a.learn_tolerance,
                       window_s=a.learn_window_s)
