@@ -114,6 +114,10 @@ def priority(request: Request, tenant: Tenant | None) -> str:
     return asked if RANKS[asked] >= RANKS[top] else top
 
 
+# the queue's drain rate moves with the limits it drains through: a request admitted on an estimate this much short
+# of its budget would more often be answered late (after waiting, ``Gate.too_late``) than served
+SHED_MARGIN = 1.2
+
 def first_due(rec: Record) -> float:
     """When its first token is due at the latest (its TTFT budget, or its total one if that ends first)."""
     return min(rec.deadlines.ttft_at, rec.deadlines.total_at)
@@ -262,13 +266,25 @@ class Gate:
         due = first_due(rec)
         if cfg.shed:
             expect = self.rates.wait_s(q.ahead_of(rank, tenant, due, weight), now)
-            if expect is not None and rate is not None and now + expect > due:
+            if expect is not None and rate is not None and now + expect * SHED_MARGIN > due:
                 wait = expect
                 budget = min(rec.deadlines.ttft_s, rec.deadlines.total_s)
                 self.shed(rec, "deadline_unmeetable", status, wait,
                           f"the first token would come in about {wait:.2f}s (queue of {q.n} draining at {rate:.1f}/s), "
                           f"past this request's ttft budget of {budget:g}s" + (
                               "; this key holds more than its share of the queue" if over else ""))
+
+    def too_late(self, e: Entry) -> Shed | None:
+        """A queued request whose turn comes too late: less of its TTFT budget left than a dispatched request now
+        takes to its first token (``Rates.ttft``). Sent on, the engine would spend its prefill on an answer nobody
+        gets in time, and the requests behind it would wait for that too."""
+        now, ttft = self.clock(), self.rates.ttft
+        if not self.cfg.shed or ttft is None or now + ttft <= e.deadline:
+            return None
+        self.metrics.shed("deadline_unmeetable", e.tenant)
+        return Shed(f"the first token would come in about {ttft:.2f}s from now (what a dispatched request takes), "
+                    f"past this request's ttft budget, which ends in {max(0.0, e.deadline - now):.2f}s",
+                    code="deadline_unmeetable", status=503, retry_after_s=1)
 
     def cut(self, w: Worker, until: float) -> None:
         """The engine said it is full (429/503): no more than it holds until ``until``; then the queue moves."""
@@ -328,6 +344,11 @@ class Gate:
             fut, avoid, view = e.item
             if fut.done():  # its waiter is ending: it leaves the queue in its own finally
                 q.remove(e)
+                continue
+            late = self.too_late(e)
+            if late is not None:  # its first token cannot come in time: answered now, no engine's work wasted on it
+                q.remove(e)
+                fut.set_exception(late)
                 continue
             try:
                 pair = self.pick(avoid, view)

@@ -30,11 +30,13 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class LimitRules:
-    initial: int = 16  # the limit before anything was measured
+    initial: int = 4  # the limit before anything was measured
     floor: int = 1  # it never goes below
     cap: int | None = None  # the operator's cap (None: the engine's reported maximum only)
     tolerance: float = 2.0  # latency above this many times the baseline is queueing in the engine
-    budget_share: float = 0.25  # ... and so is latency above this share of the requests' TTFT budget
+    budget_share: float = 0.25  # ... and so is latency above this share of the requests' TTFT budget,
+    min_tolerance: float = 1.5  # ... unless that is below this many times the baseline (a slow engine may queue a little)
+    probe_step: float = 1.0  # the least it grows by past slow start
     queue_allowance: int = 2  # the engine's own compute queue may hold this many before the limit is cut
     window_s: float = 10.0  # the baseline is the least latency within this window
     update_s: float = 0.5  # the limit moves at most this often
@@ -129,7 +131,8 @@ class Limiter:
     def target(self) -> float | None:
         if self.baseline is None:
             return None
-        return min(self.rules.tolerance * self.baseline, self.rules.budget_share * self.budget)
+        r = self.rules
+        return min(r.tolerance * self.baseline, max(r.budget_share * self.budget, r.min_tolerance * self.baseline))
 
     def _move(self, engine_max: int | None, fresh: bool) -> str | None:
         r = self.rules
@@ -147,7 +150,7 @@ class Limiter:
             return (f"latency {lat:.3f}s above its target {target:.3f}s" if slow and lat is not None and target
                     else f"the engine queues {self.waiting} requests itself")
         if self.binding and (fresh or self.baseline is None):  # it grows on evidence (or before there is any)
-            step = self.limit if self.slow_start else max(1.0, self.limit / 10)
+            step = self.limit if self.slow_start else max(self.rules.probe_step, self.limit / 10)
             self.limit = min(top, self.limit + step)
             return "it keeps up and requests waited for it"
         return None

@@ -418,3 +418,41 @@ async def test_a_granted_pair_whose_worker_went_down_is_not_used(procs: Procs, h
     assert all(a.decode != downed[0] for a in rec.attempts), (downed, [a.decode for a in rec.attempts])
     for b in blockers:
         await b
+
+
+async def prefill_forwards(http: aiohttp.ClientSession, sim: Sim) -> float:
+    from loadtest.overload import prefill_forwards as read
+
+    return await read(http, sim.url)
+
+
+@pytest.mark.parametrize("check", [True, False])
+async def test_a_queued_request_whose_turn_comes_too_late_is_answered_not_sent(
+        procs: Procs, http: aiohttp.ClientSession, gateways: list[Any], monkeypatch: pytest.MonkeyPatch,
+        check: bool) -> None:
+    """Its turn comes with less of its TTFT budget left than a dispatched request takes to its first token: a 503
+    before its budget ends, and the engine computes nothing for it. With the check off (``Gate.too_late``), it is
+    sent, ends 504 at its budget, and the prefill's work for it is wasted."""
+    from pdgate.admission import Gate
+
+    if not check:
+        monkeypatch.setattr(Gate, "too_late", lambda self, e: None)
+    p, d = sims(procs)
+    g = await gateway(gateways, p, d, capacity=1)
+    for _ in range(3):  # what a dispatched request takes to its first token, measured
+        assert (await post(http, g, NORM, chat()))[0] == 200
+    ttft = g.gw.gate.rates.ttft
+    assert ttft is not None and 0.15 < ttft < 0.6, ttft
+    before = await prefill_forwards(http, p)
+    blocker = asyncio.create_task(post(http, g, NORM, chat()))
+    await asyncio.sleep(0.05)
+    budget = ttft + 0.1  # its turn comes after the blocker's prefill (~ttft): too little is left by then
+    status, body, took, _ = await post(http, g, NORM, chat(), x_pdgate_ttft_timeout=f"{budget:.3f}")
+    assert (await blocker)[0] == 200
+    await asyncio.sleep(0.3)
+    computed = await prefill_forwards(http, p) - before
+    if check:
+        assert status == 503 and body["error"]["code"] == "deadline_unmeetable" and took < budget, (status, body, took)
+        assert computed == 1, "only the blocker was computed"
+    else:  # sent on: it reached the engine and ended at its budget, not before
+        assert status == 504 and "phase prefill" in body["error"]["message"] and took >= budget - 0.02, (status, took)

@@ -67,11 +67,10 @@ async def run(procs: Procs, gateways: list[Any], learn: bool, change: bool) -> d
 def check_terminal(reqs: list[tuple[float, int, float]]) -> None:
     late = [r for r in reqs if r[1] == 0 or r[2] > TOTAL + 0.3]
     assert not late, f"{len(late)} of {len(reqs)} past their deadline or unanswered: {late[:5]}"
-    # shed at once, not after waiting out a budget: well under the TTFT budget (its speed is a benchmark's to judge,
-    # BENCHMARKS.md: p99 ~3 ms; a loaded 2-core CI answered a p99 of 0.15 s)
+    # shed within the TTFT budget: at once when the queue's estimate says so, else when its turn comes too late for
+    # a first token in time (Gate.too_late); how fast is a benchmark's to judge (BENCHMARKS.md)
     shed = sorted(r[2] for r in reqs if r[1] in (429, 503))
-    p99 = shed[int(0.99 * (len(shed) - 1))] if shed else 0.0
-    assert p99 <= TTFT / 3, f"shed answers slow: p99 {p99:.3f}s"
+    assert not shed or shed[-1] <= TTFT + 0.1, f"a shed answer came after its TTFT budget: {shed[-1]:.3f}s"
 
 
 async def test_the_learned_limit_keeps_goodput_and_follows_a_slower_engine(procs: Procs, gateways: list[Any]) -> None:
@@ -94,7 +93,7 @@ async def test_without_it_the_engine_reported_figure_lets_goodput_collapse(procs
 async def test_gateway_processes_on_one_store_hold_the_least_limit_any_of_them_learned(procs: Procs,
                                                                                        gateways: list[Any]) -> None:
     """Two gateways on one Redis: what one learned of a prefill (here 3) is what the other admits there, though it
-    measured nothing itself (its own figure is still the initial 16); judged by what the engine holds at once."""
+    measured nothing itself (its own figure is still the initial 4); judged by what the engine holds at once."""
     from pdgate.config import StoreConfig
     from tests.engine.simclient import engine_requests
 
@@ -109,15 +108,15 @@ async def test_gateway_processes_on_one_store_hold_the_least_limit_any_of_them_l
     wa = next(w for w in a.gw.pool.by_id.values() if w.role == "prefill")
     wb = next(w for w in b.gw.pool.by_id.values() if w.role == "prefill")
     assert wa.slots.learned is not None and wb.slots.learned is not None
-    wa.slots.learned.limit, wa.slots.learned.sampled_at = 3.0, a.gw.now()  # what a learned of it just now
+    wa.slots.learned.limit, wa.slots.learned.sampled_at = 2.0, a.gw.now()  # what a learned of it just now
     async with aiohttp.ClientSession() as http:
         for _ in range(50):
             async with http.get(b.admin + "/v1/workers") as r:
                 view = next(w for w in (await r.json())["workers"] if w["role"] == "prefill")
-            if view["capacity"] == 3:
+            if view["capacity"] == 2:
                 break
             await asyncio.sleep(0.1)
-        assert view["capacity"] == 3 and view["learned"]["peers"] == 3 and view["learned"]["limit"] == 16, view
+        assert view["capacity"] == 2 and view["learned"]["peers"] == 2 and view["learned"]["limit"] == 4, view
         body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
         async def one() -> int:
@@ -131,4 +130,4 @@ async def test_gateway_processes_on_one_store_hold_the_least_limit_any_of_them_l
             most = max(most, len(await engine_requests(http, p)))
             await asyncio.sleep(0.02)
         assert [t.result() for t in sent] == [200] * 10
-        assert 1 <= most <= 3, f"the prefill held {most} of b's requests at once; a's limit is 3"
+        assert 1 <= most <= 2, f"the prefill held {most} of b's requests at once; a's limit is 2"
