@@ -36,7 +36,8 @@ class LimitRules:
     tolerance: float = 2.0  # latency above this many times the baseline is queueing in the engine
     budget_share: float = 0.25  # ... and so is latency above this share of the requests' TTFT budget,
     min_tolerance: float = 1.5  # ... unless that is below this many times the baseline (a slow engine may queue a little)
-    probe_step: float = 1.0  # the least it grows by past slow start
+    probe_step: float = 0.25  # the least it grows by past slow start: a limit of 2 takes 4 healthy updates to reach 3
+    # (at +1 a small limit jumps by half, queues in the engine, is cut, and the queue's estimates swing with it)
     queue_allowance: int = 2  # the engine's own compute queue may hold this many before the limit is cut
     window_s: float = 10.0  # the baseline is the least latency within this window
     update_s: float = 0.5  # the limit moves at most this often

@@ -82,7 +82,7 @@ def test_recovery_after_the_engine_speeds_up_again() -> None:
     t = drive(lim, 0.0, 0.1, steps=2)
     t = drive(lim, t, 1.0, steps=8)  # ten times slower: cut to the floor
     assert lim.value(1024) == 1
-    t = drive(lim, t, 0.1, steps=20)  # fast again: it grows back
+    t = drive(lim, t, 0.1, steps=30)  # fast again: it grows back (+0.25 an update while small, then by a tenth)
     assert lim.value(1024) >= 16
 
 
