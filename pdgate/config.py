@@ -531,7 +531,7 @@ def validate_worker(w: WorkerSpec, key: str = "worker") -> WorkerSpec:
     if w.role not in ("prefill", "decode"):
         raise ConfigError(f"{key}.role", w.role, "must be prefill or decode")
     if not isinstance(w.engine, str) or not ENGINE_KIND.fullmatch(w.engine):
-        raise ConfigError(f"{key}.engine", w.engine, "must be an engine kind's name (sglang)")
+        raise ConfigError(f"{key}.engine", w.engine, "must be an engine kind's name (sglang, vllm)")
     if w.url.startswith("https://"):
         raise ConfigError(f"{key}.url", w.url, "https:// workers are not supported (engines are reached over plain "
                           "HTTP on a trusted network); use http://")

@@ -16,7 +16,29 @@ from engine.sim.worker import Engine
 log = logging.getLogger("engine.sim")
 
 
+async def serve_vllm(cfg: SimConfig) -> None:
+    from engine.sim.vllm import VllmSim
+    from engine.sim.vllm import build_server as build_vllm
+
+    sim = VllmSim(cfg)
+    await sim.start()
+    server = build_vllm(sim)
+    await server.start(cfg.host, cfg.port)
+    log.info("sim %s worker (vllm protocol) ready on http://%s:%d faults=%s identity=%s", cfg.role, cfg.host, cfg.port,
+             {k: v for k, v in cfg.faults.values.items() if v}, sim.identity)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.close()
+    await sim.close()
+
+
 async def serve(cfg: SimConfig) -> None:
+    if cfg.protocol == "vllm":
+        await serve_vllm(cfg)
+        return
     engine = Engine(cfg)
     await engine.start()
     servers = [(build_server(engine), cfg.port)]

@@ -55,6 +55,8 @@ FAULTS: dict[str, Any] = {
     "segment_seed": int,
     "split_stall": _seconds,  # every write: its first half, this long a pause, then the rest (stuck mid-event)
     "done_stall": _seconds,  # decode: a stream's end (the last chunk) this long after its [DONE]
+    "kv_wait_forever": _flag,  # --protocol vllm, decode: its KV never comes (WAITING_FOR_REMOTE_KVS, no timeout)
+    "ignore_disconnect": _flag,  # --protocol vllm: a client that leaves does not abort its request
 }
 
 
@@ -141,6 +143,7 @@ class SimConfig:
     extension: bool = True  # serve GET /pdgate/v1/requests (off: look like plain SGLang)
     prefix_cache_tokens: int = 1_000_000  # the prefill's prefix cache (0: off, as SGLang's --disable-radix-cache)
     eos_after: int = 0  # free text ends (finish_reason stop) after this many tokens, as a model's EOS; 0: never
+    protocol: str = "sglang"  # the engine it speaks: sglang (its PD protocol) or vllm (engine/sim/vllm.py)
     max_running_requests: int = 1024  # reported in /server_info as SGLang does (gateways read it as a capacity)
     api_key: str | None = None  # SGLang's --api-key: every route but /health*, /ready*, /metrics wants it
 
@@ -163,6 +166,8 @@ class SimConfig:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine.sim", description=__doc__)
     p.add_argument("--role", choices=("prefill", "decode"), required=True)
+    p.add_argument("--protocol", choices=("sglang", "vllm"), default="sglang",
+                   help="the engine it speaks: SGLang's PD protocol, or vLLM's (NixlConnector, sequential legs)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--bootstrap-port", type=int, default=8998)
@@ -214,6 +219,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_running_requests=args.max_running_requests,
         prefix_cache_tokens=args.prefix_cache_tokens,
         eos_after=args.eos_after,
+        protocol=args.protocol,
     )
     for item in args.fault:
         name, sep, value = item.partition("=")

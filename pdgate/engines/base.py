@@ -50,6 +50,10 @@ class Usage:
 class Engine(Protocol):
     kind: str
     sequential: bool  # legs in sequence (the decode's body from the prefill's answer), else at once
+    # the prefill's answer means the decode has what it needs (SGLang: it answers once the KV reached the decode),
+    # so a whole answer's first token counts from there; else (vLLM: the decode has yet to read the KV) from the
+    # decode's answer, and the TTFT budget covers the wait for the KV
+    prefill_answer_is_first_token: bool
     done_event: bytes  # a stream's last event, as the engine writes it
     error_event: bytes  # how an error event begins
 

@@ -8,12 +8,13 @@ from typing import TYPE_CHECKING
 
 from pdgate.engines.base import Engine
 from pdgate.engines.sglang import SGLang
+from pdgate.engines.vllm import VLLM
 
 if TYPE_CHECKING:
     from pdgate.upstream import Upstream
 
 Factory = Callable[["Upstream"], Engine]
-KINDS: dict[str, Factory] = {SGLang.kind: SGLang}  # a new engine kind: its adapter class here
+KINDS: dict[str, Factory] = {SGLang.kind: SGLang, VLLM.kind: VLLM}  # a new engine kind: its adapter class here
 
 
 class Engines:

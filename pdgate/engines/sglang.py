@@ -46,6 +46,7 @@ HELD = {"prefill": ("prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs
 class SGLang:
     kind = "sglang"
     sequential = False
+    prefill_answer_is_first_token = True  # its prefill answers once the KV transfer is over
     done_event = b"data: [DONE]"
     error_event = b'data: {"error"'
 

@@ -32,6 +32,7 @@ from tests.procs import Procs, free_port
 class Mini:
     kind = "mini"
     sequential = True
+    prefill_answer_is_first_token = True
     done_event = b"data: [DONE]"
     error_event = b'data: {"error"'
 
