@@ -26,6 +26,7 @@ from typing import Any
 
 log = logging.getLogger("engine.supervisor")
 ENGINES = ("sim", "sglang")
+KINDS = ("sglang", "vllm")  # the protocols: what the gateway talks to each worker as
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class WorkerDef:
     bootstrap_port: int | None = None
     args: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    kind: str = "sglang"  # the protocol it speaks, the gateway's adapter for it: sglang or vllm (a sim: --protocol)
     options: Any = field(default=None, compare=False)  # engine "sglang": the whole cluster entry, for the planner
 
     @property
@@ -48,6 +50,8 @@ class WorkerDef:
             cmd = [sys.executable, "-m", "engine.sim", "--role", self.role, "--host", "127.0.0.1", "--port", str(self.port)]
             if self.bootstrap_port is not None:
                 cmd += ["--bootstrap-port", str(self.bootstrap_port)]
+            if self.kind != "sglang":
+                cmd += ["--protocol", self.kind]
             return cmd + list(self.args)
         if self.engine == "sglang":
             from engine.sglang.plan import command
@@ -72,7 +76,7 @@ def load_cluster(path: str | Path, allow_unsafe_kernel_profile: bool = False) ->
     names: set[str] = set()
     for i, w in enumerate(data.get("worker", [])):
         where = f"{path}: worker[{i}]"
-        allowed = {"name", "engine", "role", "port", "bootstrap_port", "args", "env"}
+        allowed = {"name", "engine", "kind", "role", "port", "bootstrap_port", "args", "env"}
         env = {str(k): str(v) for k, v in w.get("env", {}).items()}
         if w.get("engine") == "sglang":
             from engine.sglang.plan import KEYS, environment
@@ -84,6 +88,9 @@ def load_cluster(path: str | Path, allow_unsafe_kernel_profile: bool = False) ->
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
         if w.get("engine", "sim") not in ENGINES:
             raise ValueError(f"{where}: engine {w.get('engine')!r} not supported here (supported: {', '.join(ENGINES)})")
+        if w.get("kind", "sglang") not in KINDS or (w.get("kind", "sglang") != "sglang" and w.get("engine", "sim") != "sim"):
+            raise ValueError(f"{where}: kind must be one of {', '.join(KINDS)} (vllm: sim workers only here), got "
+                             f"{w.get('kind')!r}")
         if w.get("role") not in ("prefill", "decode"):
             raise ValueError(f"{where}: role must be prefill or decode, got {w.get('role')!r}")
         if w.get("name") in names or not w.get("name"):
@@ -92,7 +99,7 @@ def load_cluster(path: str | Path, allow_unsafe_kernel_profile: bool = False) ->
         workers.append(WorkerDef(name=w["name"], engine=w.get("engine", "sim"), role=w["role"], port=int(w["port"]),
                                  bootstrap_port=w.get("bootstrap_port", 8998 if w["role"] == "prefill" else None),
                                  args=tuple(str(a) for a in w.get("args", [])),
-                                 env=tuple(env.items()), options=w))
+                                 env=tuple(env.items()), kind=str(w.get("kind", "sglang")), options=w))
     if not workers:
         raise ValueError(f"{path}: no [[worker]] entries")
     return Cluster(tuple(workers), Path(top.get("log_dir", "logs")), float(top.get("ready_timeout_s", 30)),

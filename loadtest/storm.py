@@ -36,10 +36,21 @@ FORCE_FAILS = "num_prefill_inflight_timeout_reqs_total"
 PROBE = {"model": "sim-model", "messages": [{"role": "user", "content": "say hi"}], "max_tokens": 8}
 
 
-def metric(text: str, name: str) -> float | None:
+def metric(text: str, name: str, prefix: str = "sglang") -> float | None:
     """Sum of a metric over its label sets; both 'sglang:' and 'sglang_' prefixes are read."""
-    vals = [float(m.group(1)) for m in re.finditer(rf"^sglang[:_]{name}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.M)]
+    vals = [float(m.group(1)) for m in re.finditer(rf"^{prefix}[:_]{name}(?:\{{[^}}]*\}})? ([0-9.eE+-]+)$", text, re.M)]
     return sum(vals) if vals else None
+
+
+def pinned(text: str) -> float | None:
+    """What a prefill holds of our requests: SGLang's inflight queue (requests whose KV waits for its decode); a
+    vLLM prefill (which lists no such queue: its unread KV is freed by its own timeout) the requests it runs or
+    queues."""
+    got = metric(text, GAUGE)
+    if got is not None:
+        return got
+    running, waiting = metric(text, "num_requests_running", "vllm"), metric(text, "num_requests_waiting", "vllm")
+    return None if running is None and waiting is None else (running or 0) + (waiting or 0)
 
 
 async def scrape(http: aiohttp.ClientSession, url: str) -> str:
@@ -123,7 +134,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             return round(time.monotonic() - t_start, 3)
 
         texts = [await scrape(http, u) for u in metrics_urls]
-        baseline = {u: metric(t, GAUGE) for u, t in zip(metrics_urls, texts, strict=True)}
+        baseline = {u: pinned(t) for u, t in zip(metrics_urls, texts, strict=True)}
         force0 = sum(metric(t, FORCE_FAILS) or 0 for t in texts)
         probe0 = await probe(http, a.gateway, a.model)
         samples: list[dict[str, Any]] = []
@@ -133,7 +144,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         async def sampler() -> None:
             while not stop.is_set():
                 vals = await asyncio.gather(*(scrape(http, u) for u in metrics_urls))
-                samples.append({"t": now(), **{u: metric(t, GAUGE) for u, t in zip(metrics_urls, vals, strict=True)}})
+                samples.append({"t": now(), **{u: pinned(t) for u, t in zip(metrics_urls, vals, strict=True)}})
                 try:
                     await asyncio.wait_for(stop.wait(), 1.0)
                 except TimeoutError:

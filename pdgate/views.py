@@ -104,7 +104,8 @@ def workers_table(data: dict[str, Any], wide: bool = False, width: int | None = 
                           for k, v in eng.items() if v)
         cap, learned = w.get("capacity"), w.get("learned")
         src = "set" if w.get("configured") else learned_line(learned) if learned else "engine"
-        row: list[Any] = [_s(w["id"]), _s(w["role"]), _s(w["url"]), Text(state, style=style), str(w["load"]),
+        role = w["role"] if w.get("kind") in (None, "sglang") else f"{w['role']}/{w['kind']}"  # another engine: said
+        row: list[Any] = [_s(w["id"]), _s(role), _s(w["url"]), Text(state, style=style), str(w["load"]),
                           str(w["restarts"]), _s(queues or "idle")]
         if wide:
             row += ["-" if cap is None else str(cap), _s(w.get("kind") or "-"), _s(src), _s(w.get("identity") or "-"),

@@ -270,3 +270,44 @@ def test_pdgate_up_with_two_gateway_processes(procs: Procs, tmp_path: Path) -> N
     assert up.popen.wait(20) == 0
     time.sleep(0.2)
     assert [n for n, pid in after.items() if alive(pid)] == [], "no worker may outlive pdgate up"
+
+
+def test_pdgate_up_with_sglang_and_vllm_pools_and_the_storm_verdict(procs: Procs, tmp_path: Path) -> None:
+    """A cluster file naming each worker's kind (as config/cluster.vllm-sim.toml does): `pdgate up` starts vLLM-
+    protocol sims beside SGLang ones, the gateway talks to each through its adapter, `pdgate workers` shows the
+    kind, and `loadtest storm` gives its verdict on the mixed cluster."""
+    lines = [f'[cluster]\nlog_dir = "{tmp_path / "logs"}"\nrestart_backoff_s = [0.2]\n']
+    for name, kind, role in (("vp", "vllm", "prefill"), ("vd", "vllm", "decode"), ("sp", "sglang", "prefill"),
+                             ("sd", "sglang", "decode")):
+        extra = f"bootstrap_port = {free_port()}\n" if role == "prefill" else ""
+        lines.append(f'[[worker]]\nname = "{name}"\nkind = "{kind}"\nrole = "{role}"\nport = {free_port()}\n{extra}'
+                     'args = ["--eos-after", "24"]\n')
+    (tmp_path / "cluster.toml").write_text("\n".join(lines))
+    port, admin_port = free_port(), free_port()
+    up = procs.spawn(up_command(tmp_path, port, admin_port), name="pdgate-up")
+    gw, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
+    key_file = tmp_path / "admin.key"
+    wait_http(gw + "/readiness", timeout=60, proc=up.popen)
+    for _ in range(50):  # both pairs up
+        ws = get(admin + "/v1/workers", key_file.read_text().strip())["workers"]
+        if len(ws) == 4 and all(w["healthy"] for w in ws):
+            break
+        time.sleep(0.2)
+    assert sorted((w["kind"], w["role"]) for w in ws) == [("sglang", "decode"), ("sglang", "prefill"),
+                                                          ("vllm", "decode"), ("vllm", "prefill")], ws
+    for i in range(6):
+        status, body, _ = post(gw + "/v1/chat/completions", {"model": "sim-model", "max_tokens": 8, "messages": [
+            {"role": "user", "content": f"hi {i}"}]})
+        assert status == 200 and body["choices"][0]["message"]["content"], body
+    wide = cli(admin, "workers", "--wide", key_file=key_file)
+    assert "vllm" in wide and "sglang" in wide, wide
+    assert "prefill/vllm" in cli(admin, "workers", key_file=key_file), "the default view names another engine too"
+    out = tmp_path / "storm.json"
+    run = subprocess.run([sys.executable, "-m", "loadtest", "storm", "--gateway", gw, "--admin", admin,
+                          "--admin-key", key_file.read_text().strip(), "--iterations", "6", "--instances", "4",
+                          "--watchdog", "1", "--grace", "1", "--window", "4", "--out", str(out)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    verdict = json.loads(out.read_text())
+    assert run.returncode == 0 and verdict["verdict"] == "PASS", run.stdout[-2000:] + run.stderr[-2000:]
+    assert len(verdict["prefill_metrics"]) == 2 and all(v is not None for v in verdict["baseline"].values()), \
+        "the storm read both kinds' prefills"

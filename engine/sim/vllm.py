@@ -259,6 +259,9 @@ def build_server(sim: VllmSim) -> Server:
     async def requests(_: Request) -> Response:
         return jsonr({"requests": sim.held(), "expired": sim.expired, "sent": sim.sent[-200:]})
 
+    async def sent(_: Request) -> Response:
+        return jsonr({"sent": sim.sent[-2000:]})
+
     async def faults(request: Request) -> Response:
         try:
             for name, value in orjson.loads(request.body).items():
@@ -270,7 +273,7 @@ def build_server(sim: VllmSim) -> Server:
     for method, path, h in (("GET", "/health", health), ("GET", "/version", version), ("GET", "/v1/models", models),
                             ("GET", "/metrics", metrics), ("POST", KV_READ, sim.kv_read),
                             ("POST", "/abort_requests", sim.abort_requests), ("GET", p.EXT_REQUESTS_PATH, requests),
-                            ("POST", p.EXT_FAULTS_PATH, faults)):
+                            ("POST", p.EXT_FAULTS_PATH, faults), ("GET", "/pdgate/v1/sent", sent)):
         r.add(method, path, h)
     keepalive = float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"))
     return Server(r.dispatch, 256 * 1024 * 1024, keepalive_s=keepalive)

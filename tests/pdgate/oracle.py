@@ -247,16 +247,32 @@ SHAPES = (
 )
 
 
+VLLM_ENV = {"VLLM_NIXL_ABORT_REQUEST_TIMEOUT": "1"}  # a prefill's unread KV: freed by the engine within the check
+
+
 @dataclass
 class Cluster:
-    """Two prefill and two decode sims that live across scenarios; a killed one is started again."""
+    """Two prefill and two decode sims that live across scenarios; a killed one is started again. ``mixed``: the
+    second of each role speaks vLLM's protocol (``--protocol vllm``), so one gateway fronts an SGLang pair (sims 0,
+    2) and a vLLM pair (sims 1, 3), pairing within a kind."""
 
     procs: Procs
     sims: list[Sim] = field(default_factory=list)
+    mixed: bool = False
+
+    def args(self, i: int) -> tuple[tuple[str, ...], dict[str, str]]:
+        extra: tuple[str, ...] = DECODE_ARGS if i >= 2 else ()
+        if self.mixed and i in (1, 3):
+            return (*extra, "--protocol", "vllm"), {**SIM_ENV, **VLLM_ENV}
+        return extra, SIM_ENV
+
+    def kind(self, i: int) -> str:
+        return "vllm" if self.mixed and i in (1, 3) else "sglang"
 
     def start(self) -> None:
-        for role, extra in (("prefill", ()), ("prefill", ()), ("decode", DECODE_ARGS), ("decode", DECODE_ARGS)):
-            self.sims.append(self.procs.sim(role, *extra, env=SIM_ENV))
+        for i, role in enumerate(("prefill", "prefill", "decode", "decode")):
+            extra, env = self.args(i)
+            self.sims.append(self.procs.sim(role, *extra, env=env))
 
     def revive(self) -> None:
         for i, s in enumerate(self.sims):
@@ -264,8 +280,8 @@ class Cluster:
             if s.proc.popen.poll() is None:
                 os.kill(s.proc.pid, signal.SIGCONT)
                 continue
-            extra = DECODE_ARGS if s.role == "decode" else ()
-            self.sims[i] = self.procs.sim(s.role, *extra, env=SIM_ENV, port=s.port, bootstrap_port=s.bootstrap_port,
+            extra, env = self.args(i)
+            self.sims[i] = self.procs.sim(s.role, *extra, env=env, port=s.port, bootstrap_port=s.bootstrap_port,
                                           wait=False)
             wait_http(f"{self.sims[i].url}/health", proc=self.sims[i].proc.popen)
 
@@ -378,6 +394,9 @@ async def run(cl: Cluster, sc: Scenario) -> list[str]:
                       health=HealthConfig(interval_s=0.3, timeout_s=0.3, failures=2, degraded_after_s=30),
                       reconcile=ReconcileConfig(enabled=sc.reconcile, interval_s=0.5, grace_s=0.5),
                       admission=AdmissionConfig(capacity=sc.capacity))
+    if cl.mixed:  # the vLLM pair's specs say so: the gateway talks to them through its vLLM adapter
+        cfg = dataclasses.replace(cfg, prefill=tuple(dataclasses.replace(w, engine=cl.kind(i)) for i, w in enumerate(cfg.prefill)),
+                                  decode=tuple(dataclasses.replace(w, engine=cl.kind(i + 2)) for i, w in enumerate(cfg.decode)))
     first: dict[str, str] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
         for s in cl.sims:

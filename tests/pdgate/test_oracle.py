@@ -51,3 +51,31 @@ def test_the_promise_holds_in_generated_scenarios(cluster: Cluster) -> None:
         holds()
     finally:
         undo()
+
+
+@pytest.fixture(scope="module")
+def mixed() -> Iterator[Cluster]:
+    procs = Procs()
+    try:
+        cl = Cluster(procs, mixed=True)
+        cl.start()
+        yield cl
+    finally:
+        procs.close()
+
+
+@pytest.mark.timeout(600)
+def test_the_promise_holds_on_a_mixed_cluster(mixed: Cluster) -> None:
+    """An SGLang pair and a vLLM pair behind one gateway (issue 29): the same generated scenarios and shapes, every
+    request judged as before, whichever kind served it."""
+
+    @settings(max_examples=int(os.environ.get("ORACLE_MIXED_EXAMPLES", "12")), deadline=None, database=None,
+              print_blob=True, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(sc=scenarios())
+    def holds(sc: Scenario) -> None:
+        problems = asyncio.run(run(mixed, sc))
+        assert not problems, "the promise broke:\n  " + "\n  ".join(problems) + f"\nscenario: {sc}"
+
+    for shape in SHAPES:
+        holds = example(sc=shape)(holds)
+    holds()
