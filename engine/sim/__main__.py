@@ -16,6 +16,15 @@ from engine.sim.worker import Engine
 log = logging.getLogger("engine.sim")
 
 
+async def until_stopped() -> None:
+    """Until SIGINT or SIGTERM."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
 async def serve_vllm(cfg: SimConfig) -> None:
     from engine.sim.vllm import VllmSim
     from engine.sim.vllm import build_server as build_vllm
@@ -26,11 +35,7 @@ async def serve_vllm(cfg: SimConfig) -> None:
     await server.start(cfg.host, cfg.port)
     log.info("sim %s worker (vllm protocol) ready on http://%s:%d faults=%s identity=%s", cfg.role, cfg.host, cfg.port,
              {k: v for k, v in cfg.faults.values.items() if v}, sim.identity)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_stopped()
     await server.close()
     await sim.close()
 
@@ -50,11 +55,7 @@ async def serve(cfg: SimConfig) -> None:
              cfg.role, cfg.host, cfg.port, cfg.bootstrap_port if cfg.role == "prefill" else "-",
              ",".join(sorted(cfg.fixes)) or "none",
              {k: v for k, v in cfg.faults.values.items() if v}, engine.identity)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    await until_stopped()
     for server, _ in servers:
         await server.close()
     await engine.close()

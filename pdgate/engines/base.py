@@ -47,6 +47,20 @@ class Usage:
     cached: int | None = None
 
 
+def openai_usage(u: Any) -> Usage:
+    """OpenAI's ``usage`` object as a ``Usage`` (``cached_tokens`` in ``prompt_tokens_details``, or beside it as
+    SGLang's ``meta_info`` has it); what is not a count is None."""
+    if not isinstance(u, dict):
+        return Usage()
+    details = u.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else u.get("cached_tokens")
+    return Usage(_count(u.get("prompt_tokens")), _count(u.get("completion_tokens")), _count(cached))
+
+
+def _count(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
 class Engine(Protocol):
     kind: str
     sequential: bool  # legs in sequence (the decode's body from the prefill's answer), else at once

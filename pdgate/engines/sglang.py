@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from pdgate import protocol as wire
-from pdgate.engines.base import Held, Probe, Usage
+from pdgate.engines.base import Held, Probe, Usage, _count, openai_usage
 from pdgate.upstream import LoopLate
 
 if TYPE_CHECKING:
@@ -82,12 +82,7 @@ class SGLang:
             obj = orjson.loads(answer)
         except orjson.JSONDecodeError:
             return Usage()
-        u = (obj.get("usage") or obj.get("meta_info") or {}) if isinstance(obj, dict) else {}
-        if not isinstance(u, dict):
-            return Usage()
-        details = u.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else u.get("cached_tokens")
-        return Usage(_count(u.get("prompt_tokens")), _count(u.get("completion_tokens")), _count(cached))
+        return openai_usage((obj.get("usage") or obj.get("meta_info")) if isinstance(obj, dict) else None)
 
     def output_tokens(self, route: str, body: dict[str, Any]) -> int | None:
         if route == GENERATE:
@@ -196,10 +191,6 @@ class SGLang:
                 age = r.get("age_s", r.get("since_s", 0.0))
                 out.append(Held(str(r.get("rid", "")), r.get("queue"), float(age) if isinstance(age, (int, float)) else 0.0))
         return out
-
-
-def _count(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
 def _queues(loads: Any) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from pdgate.engines.base import Held, Probe, Usage
+from pdgate.engines.base import Held, Probe, Usage, _count, openai_usage
 from pdgate.errors import InvalidField
 from pdgate.upstream import LoopLate
 
@@ -86,12 +86,7 @@ class VLLM:
             obj = orjson.loads(answer)
         except orjson.JSONDecodeError:
             return Usage()
-        u = obj.get("usage") if isinstance(obj, dict) else None
-        if not isinstance(u, dict):
-            return Usage()
-        details = u.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        return Usage(_count(u.get("prompt_tokens")), _count(u.get("completion_tokens")), _count(cached))
+        return openai_usage(obj.get("usage") if isinstance(obj, dict) else None)
 
     def output_tokens(self, route: str, body: dict[str, Any]) -> int | None:
         """As vLLM reads them: chat ``max_completion_tokens`` or ``max_tokens`` (neither: up to the context),
@@ -173,6 +168,3 @@ class VLLM:
     def forget(self, url: str) -> None:
         self.no_abort.discard(url)  # whatever comes back up may offer it
 
-
-def _count(v: Any) -> int | None:
-    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
