@@ -40,6 +40,9 @@ CASES: dict[str, tuple[Any, Any]] = {
     "overload": (overload.plot, {"results": {"1x": {"pdgate": {"goodput_x_capacity": 1.0, "terminal_within_deadline": 1.0,
                                                                "wasted_prefills": 0}}},
                                  "capacity_rps": 4.0, "ttft_s": 1.5, "total_s": 2.5}),
+    "speed_change": (overload.plot_change, {"phase_s": 2.0, "capacity_rps": 4.9, "speed_change": {
+        "pdgate-learned": {"goodput_per_s": [4, 5, 2, 2, 5, 5], "limit": [[0.0, 2], [2.5, 1], [4.5, 2]]},
+        "pdgate-no-admission": {"goodput_per_s": [2, 2, 0, 0, 2, 2], "limit": [[0.0, 1024]]}}}),
     "affinity": (affinity.plot, {"targets": {"round_robin": {"per_round": [{"round": 1, "ttft_p50_ms": 1, "ttft_p99_ms": 2}],
                                                              "prefill_tokens_computed": 1000, "cache_hit_rate": 0.5}},
                                  "sessions": 1, "rounds": 1, "prefills": 2, "ratios": {}}),
