@@ -258,6 +258,9 @@ class GatewayConfig:
     admin_keys: tuple[AdminKey, ...] = ()  # none: the admin plane is open (it must then stay on loopback)
     keys_file: str | None = None  # a TOML file with more [[keys]] and [[admin_keys]]
     admin_key_file: str | None = None  # a file holding one admin key in plain text (pdgate up writes one)
+    # where each process records what it owns on the engines, so that its successor (a restart, a --workers process
+    # started again) aborts what a killed one left pinned (pdgate.lineage); empty: nothing recorded
+    state_dir: str = ".pdgate"
     allowed_worker_hosts: tuple[str, ...] | None = None  # POST /v1/workers: hosts, IPs, CIDRs, "*"; default loopback + config hosts
     max_workers: int = 64
     access_log: bool = True  # one line per request on the pdgate.access logger, at info

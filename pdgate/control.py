@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 from pdgate.config import GatewayConfig, WorkerSpec, worker_hosts_allowed
 from pdgate.gateway import Gateway
+from pdgate.lineage import RECORD_S, Lineage
 from pdgate.metrics import FLUSH_S, SharedFiles
 from pdgate.reconcile import Reconciler
 from pdgate.store.base import Beat
@@ -48,8 +49,11 @@ class Control:
         self.store = gw.store
         self.supervisor = supervisor
         self.health_tasks: dict[str, asyncio.Task[None]] = {}
+        # what this process owns, where its successor finds it (the state directory: a restarted gateway aborts
+        # what a killed one left pinned)
+        self.lineage = Lineage(gw.cfg.state_dir, gw.instance)
         self.reconciler = Reconciler(gw.cfg, gw.instance, gw.pool, gw.traces, gw.metrics, gw.recent, gw.store,
-                                     gw.clock)
+                                     gw.clock, self.lineage)
         self.tasks: list[asyncio.Task[None]] = []
         self.worker_hosts = worker_hosts_allowed(gw.cfg)
         self.registering: set[tuple[str, str]] = set()  # (role, url) of registrations being probed
@@ -63,6 +67,7 @@ class Control:
     async def start(self) -> None:
         gw = self.gw
         await self.store.start(gw.instance, self.workers_changed)
+        self.lineage.start()
         if self.store.shared:
             await self.sync_workers()  # the config's workers seed an empty store
         await asyncio.gather(*(gw.health.check(w) for w in gw.pool.by_id.values()))
@@ -79,6 +84,36 @@ class Control:
             self.tasks.append(loop.create_task(self.beats()))
         if gw.metrics.shared is not None:
             self.tasks.append(loop.create_task(self.flush_metrics(gw.metrics.shared)))
+        if self.lineage.enabled:
+            self.tasks.append(loop.create_task(self.record()))
+
+    def owned(self) -> dict[str, tuple[str, ...]]:
+        """The rids this process owns on the engines now: its live attempts' (on both legs' workers) and those that
+        ended within a reconciliation's reach (an abort an engine without fix A lost may have left them there)."""
+        gw, rc = self.gw, self.cfg.reconcile
+        rids: dict[str, tuple[str, ...]] = {}
+        for ctx in gw.live.values():
+            a = ctx.rec.attempt
+            if a is not None:
+                rids[a.rid] = tuple(w for w in (a.prefill, a.decode) if w)
+        since = gw.now() - 2 * (rc.interval_s + rc.grace_s) - self.cfg.health.interval_s
+        for wid, rid, ended in reversed(gw.recent):
+            if ended < since:
+                break
+            if rid not in rids:
+                rids[rid] = (wid,)
+            elif wid not in rids[rid]:
+                rids[rid] += (wid,)
+        return rids
+
+    async def record(self) -> None:
+        """What this process owns, written to the state directory while it changes (``pdgate.lineage``)."""
+        while True:
+            try:
+                self.lineage.record(self.owned(), {w.id: w.url for w in self.gw.pool.by_id.values()})
+            except Exception:  # a full disk must not stop the gateway
+                log.exception("could not record this process's requests")
+            await asyncio.sleep(RECORD_S)
 
     async def flush_metrics(self, files: SharedFiles) -> None:
         while True:
@@ -235,6 +270,7 @@ class Control:
         for t in self.health_tasks.values():
             t.cancel()
         await self.gw.stop()
+        self.lineage.close()  # stopped cleanly: nothing of this process is left for a successor
         if self.gw.metrics.shared is not None:
             self.gw.metrics.shared.flush()  # what it counted to the end stays in the group's sums
             self.gw.metrics.shared.close()

@@ -92,7 +92,7 @@ def workers_table(data: dict[str, Any], wide: bool = False, width: int | None = 
     cols = ["id", "role", "url", "state", "load", "restarts", "engine queues"]
     if wide:
         cols += ["limit", "kind", "limit from (learned: baseline/latency/target ms, moves)", "identity", "fixes",
-                 "orphans", "drift", "last error"]
+                 "orphans", "drift", "gone gateways' rids aborted", "last error"]
     rows = []
     for w in ws:
         state = "degraded" if w["degraded"] else ("up" if w["healthy"] else "down")
@@ -110,7 +110,9 @@ def workers_table(data: dict[str, Any], wide: bool = False, width: int | None = 
         if wide:
             row += ["-" if cap is None else str(cap), _s(w.get("kind") or "-"), _s(src), _s(w.get("identity") or "-"),
                     _s(",".join(str(f) for f in w.get("fixes") or []) or "-"),
-                    str(w.get("orphans", 0)), str(w.get("drift", 0)), _s(w.get("last_error"))]
+                    str(w.get("orphans", 0)), str(w.get("drift", 0)),
+                    _s(" ".join(f"{k}:{v}" for k, v in (w.get("reaped") or {}).items()) or "-"),
+                    _s(w.get("last_error"))]
         rows.append(row)
     return layout("workers", cols, rows, width)
 

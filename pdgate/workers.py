@@ -166,6 +166,7 @@ class Worker:
     slots: Slots = field(default_factory=Slots)
     orphans: int = 0  # engine-held rids found orphaned in the last reconcile pass (exact mode)
     drift: int = 0  # engine count above our live count (count mode)
+    reaped: dict[str, int] = field(default_factory=dict)  # gone gateway instance -> its rids aborted here (bounded)
 
     @property
     def role(self) -> str:
@@ -303,6 +304,7 @@ class Worker:
             "identity": self.identity, "restarts": self.restarts, "load": self.load,
             "stalled_s": round(self.stalled_for(now), 3), "fixes": info.fixes, "models": list(info.models),
             "last_error": self.checks.last_error, "queues": info.queues, "orphans": self.orphans, "drift": self.drift,
+            "reaped": dict(self.reaped),
             "capacity": self.limit(now), "engine_max": self.slots.engine, "configured": self.slots.configured,
             "learned": ({**self.slots.learned.view(self.engine_max), "peers": self.slots.peers}
                         if self.slots.learned else None),

@@ -37,7 +37,7 @@ def test_engine_imports_only_pdgate_protocol(module: str) -> None:
 LAYERS = """
 errors protocol record rid scope queueing limits views config validation policies responses store.base auth store.embedded store.redis
 store.kinds store deadlines metrics access_log otel traces
-upstream engines.base engines engines.sglang engines.vllm engines.kinds workers routing
+upstream lineage engines.base engines engines.sglang engines.vllm engines.kinds workers routing
 context observe relay aborts admission attempt outcome proxy responses_api
 health reconcile gateway multi control dashboard admin peers server up cli __main__ __init__
 """.split()

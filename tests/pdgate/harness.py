@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -31,6 +32,8 @@ class Running:
 def make_config(prefills: Iterable[Sim], decodes: Iterable[Sim], **kw: Any) -> GatewayConfig:
     health = kw.pop("health", HealthConfig(interval_s=0.5, timeout_s=0.5, failures=2, degraded_after_s=30))
     kw.setdefault("drain_s", 0.5)  # teardown of a test gateway does not wait for requests a test left running
+    # a state directory of its own: a test's gateway never takes another test's killed process for its predecessor
+    kw.setdefault("state_dir", tempfile.mkdtemp(prefix="pdgate-state-"))
     port = kw.pop("port", None) or free_port()
     if "admin_port" not in kw:  # free_port() may hand out the same port twice in a row
         kw["admin_port"] = next(p for p in iter(free_port, 0) if p != port)

@@ -377,3 +377,62 @@ def test_what_a_group_needs_of_the_config_is_not_asked_of_one_process() -> None:
         multi.check(on_a_socket, 2)
     with pytest.raises(ConfigError, match=r"1\.\.64"):
         multi.check(GatewayConfig(), 0)
+
+
+async def test_a_killed_process_of_a_group_leaves_nothing_pinned(procs: Procs, fresh: aiohttp.ClientSession,
+                                                                  tmp_path: Path) -> None:
+    """``--workers 2`` on engines without the fixes (their first abort in the inflight queue lost, the KV acks
+    dropped), streams through both processes, one SIGKILLed: its pins are aborted by rid — by its sibling or by the
+    process the supervisor starts in its place, whichever claims it first — within interval + grace + 10 s, long
+    before its registry entry would expire (lease 60 s): a process of the same state directory that is not running
+    is gone for certain."""
+    from tests.pdgate.test_reconcile import pinning_sims, wait_held
+
+    sims = pinning_sims(procs, "exact")
+    port, admin = free_port(), free_port()
+    cfg = tmp_path / "g.toml"
+    cfg.write_text(f'[gateway]\nport = {port}\nadmin_port = {admin}\naccess_log = false\nstate_dir = "{tmp_path}/s"\n'
+                   "[reconcile]\ninterval_s = 0.5\ngrace_s = 1.0\n[store]\nlease_s = 60\nheartbeat_s = 0.5\n"
+                   + workers_toml(sims[:2], sims[2:]))
+    sup = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg), "--workers", "2"], name="group")
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/readiness", proc=sup.popen)
+    members = await group_members(sup.pid)
+    body = {**CHAT, "stream": True, "max_tokens": 60}  # ~4 s at the decodes' --speed 15
+
+    async def one() -> str:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            async with fresh.post(url + "/v1/chat/completions", json=body) as r:
+                rid = r.headers["x-request-id"]
+                async for _ in r.content.iter_any():
+                    pass
+                return rid
+        return ""
+
+    tasks = [asyncio.create_task(one()) for _ in range(16)]
+    await wait_for_async(lambda: _held(fresh, sims, 16), 20, "every stream decoding")
+    await asyncio.sleep(0.3)  # past each process's last record
+    victim = members[0]["pid"]
+    os.kill(victim, signal.SIGKILL)
+    done = await asyncio.gather(*tasks)
+    killed_at = time.monotonic()
+    await wait_for(lambda: dead(victim), 5, "the killed process exits")
+    assert 0 < sum(1 for r in done if not r) < 16, "the kernel spread the streams over both processes"
+    await wait_held(fresh, sims, 0, within=0.5 + 1.0 + 10)
+    assert time.monotonic() - killed_at < 60
+    await wait_for(lambda: len(gateways_of(sup.pid)) == 2 and victim not in gateways_of(sup.pid), 15,
+                   "the supervisor starts a process in its place")
+
+    async def reaped() -> bool:  # the group's counters, summed: whichever process claimed the dead one
+        async with fresh.get(f"http://127.0.0.1:{admin}/metrics") as r:
+            return 'pdgate_reconcile_aborts_total{mode="gone",worker="p' in await r.text()
+
+    await wait_for_async(reaped, 5, "the dead process's rids aborted as a gone instance's")
+    sup.stop(signal.SIGTERM)
+    assert not list((tmp_path / "s" / "instances").glob("*.json")), "a clean stop leaves no record"
+
+
+async def _held(http: aiohttp.ClientSession, sims: list[Any], n: int) -> bool:
+    from tests.pdgate.test_reconcile import engine_held
+
+    return await engine_held(http, [s for s in sims if s.role == "decode"]) >= n

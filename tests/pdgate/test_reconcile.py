@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import contextlib
 import signal
 import sys
 import time
@@ -107,29 +107,33 @@ async def test_count_mode_for_plain_sglang(procs: Procs, http: aiohttp.ClientSes
     assert 'mode="exact"' not in text
 
 
-async def test_gateway_killed_mid_load_is_cleaned_by_its_successor(procs: Procs, http: aiohttp.ClientSession,
-                                                                  gateways: list[Any], tmp_path: Path) -> None:
+async def test_a_successor_on_redis_cleans_up_before_its_predecessors_lease_expired(
+        procs: Procs, http: aiohttp.ClientSession, gateways: list[Any], tmp_path: Path) -> None:
+    """A gateway on Redis killed with pins (its disconnect aborts lost to the race); its successor, on the same state
+    directory, starts long before the killed one's registry entry expires (lease 30 s): it knows its predecessor is
+    not running and aborts its rids at its first pass, within interval + grace + 10 s, not after the lease."""
     env = {"SGLANG_REQUEST_STATE_WAIT_TIMEOUT": "0.3"}  # the engines notice the dead client fast
     p = procs.sim("prefill", "--fixes", "none", "--fault", "abort_race=1", env=env)
     d = procs.sim("decode", "--fixes", "none", "--fault", "ack_loss=1", env=env)
     port = free_port()
     redis = procs.redis()
+    lease = StoreConfig(url=redis.url, lease_s=30.0, heartbeat_s=0.5)
+    state = tmp_path / "state"
     cfg = tmp_path / "a.toml"
-    cfg.write_text(f'[gateway]\nport = {port}\nadmin_port = {free_port()}\n[reconcile]\nenabled = false\n'
-                   + store_toml(redis.url) + workers_toml([p], [d]))
+    cfg.write_text(f'[gateway]\nport = {port}\nadmin_port = {free_port()}\nstate_dir = "{state}"\n'
+                   "[reconcile]\nenabled = false\n" + store_toml(redis.url, lease) + workers_toml([p], [d]))
     a = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg)], name="gateway-a")
     wait_http(f"http://127.0.0.1:{port}/readiness", proc=a.popen)
     await pin_on_prefill(http, f"http://127.0.0.1:{port}", 3)
+    await asyncio.sleep(0.2)  # past its last record
     a.stop(signal.SIGKILL)  # before its own prefill-tail aborts (1 s): its records die with it
-    killed = time.monotonic()
     await asyncio.sleep(1.5)  # the engines' disconnect aborts came and were lost to the race
     assert await gauge(http, p, INFLIGHT) == 3
-    b = await gateway(gateways, [p], [d], reconcile=FAST, store=dataclasses.replace(LEASE, url=redis.url))
-    await wait_gauge(http, p, INFLIGHT, 0, within=LEASE.lease_s + FAST.interval_s + FAST.grace_s + 2)
-    assert time.monotonic() - killed >= LEASE.lease_s - LEASE.heartbeat_s - 0.2, \
-        "another instance's rids wait for its registry entry to expire"
-    async with http.get(b.admin + "/v1/workers") as r:
-        assert r.status == 200
+    b = await gateway(gateways, [p], [d], reconcile=FAST, store=lease, state_dir=str(state))
+    took = await wait_gauge(http, p, INFLIGHT, 0, within=FAST.interval_s + FAST.grace_s + 10)
+    assert took < lease.lease_s
+    async with http.get(b.admin + "/metrics") as r:
+        assert 'pdgate_reconcile_aborts_total{mode="gone",worker="p0"}' in await r.text()
 
 
 async def test_two_gateway_processes_never_abort_each_others_live_requests(
@@ -176,3 +180,105 @@ async def post_to(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -
     async with http.post(url + "/v1/chat/completions", json=body) as r:
         await r.read()
         return r.status, r.headers["x-request-id"]
+
+
+HELD = {"prefill": ("num_prefill_bootstrap_queue_reqs", "num_prefill_inflight_queue_reqs", "num_running_reqs",
+                    "num_queue_reqs"),
+        "decode": ("num_decode_prealloc_queue_reqs", "num_decode_transfer_queue_reqs", "num_running_reqs")}
+
+
+async def engine_held(http: aiohttp.ClientSession, sims: list[Any]) -> int:
+    """What the engines hold, by their own /metrics (the queues of each one's role)."""
+    total = 0.0
+    for s in sims:
+        for name in HELD[s.role]:
+            total += await gauge(http, s, name)
+    return int(total)
+
+
+async def wait_held(http: aiohttp.ClientSession, sims: list[Any], want: int, within: float) -> float:
+    t0 = time.monotonic()
+    while (got := await engine_held(http, sims)) != want:
+        assert time.monotonic() - t0 < within, f"the engines hold {got}, not {want}, after {within:.1f}s"
+        await asyncio.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def pinning_sims(procs: Procs, mode: str) -> list[Any]:
+    """Two prefills and two decodes without the fixes: a decode drops the KV ack (its prefill stays in the inflight
+    queue) and the first abort that lands in a prefill's inflight queue is lost (abort_race). They notice a dead
+    client within 0.3 s (that abort is the one lost). ``count``: plain SGLang, no rid listing."""
+    env = {"SGLANG_REQUEST_STATE_WAIT_TIMEOUT": "0.3"}
+    ext = ("--no-extension",) if mode == "count" else ()
+    return [procs.sim("prefill", "--fixes", "none", "--fault", "abort_race=1", *ext, env=env) for _ in range(2)] + \
+        [procs.sim("decode", "--fixes", "none", "--fault", "ack_loss=1", "--speed", "15", *ext, env=env)
+         for _ in range(2)]
+
+
+def serve_gateway(procs: Procs, cfg: Path, name: str, workers: int = 1) -> tuple[Any, str, str]:
+    text = cfg.read_text()
+    port = int(text.split("port = ", 1)[1].split("\n", 1)[0])
+    admin = int(text.split("admin_port = ", 1)[1].split("\n", 1)[0])
+    extra = ["--workers", str(workers)] if workers > 1 else []
+    proc = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg), *extra], name=name)
+    wait_http(f"http://127.0.0.1:{port}/readiness", proc=proc.popen)
+    return proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
+
+
+async def streams_then_kill(http: aiohttp.ClientSession, url: str, proc: Any, n: int, sims: list[Any]) -> int:
+    """``n`` streams through the gateway at ``url``; once every one is decoding, the gateway is SIGKILLed. What the
+    engines still hold 1.5 s later (after their own disconnect aborts, the prefills' lost) is returned."""
+    body = {**CHAT, "stream": True, "max_tokens": 60}  # ~4 s at --speed 15
+
+    async def one() -> None:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            async with http.post(url + "/v1/chat/completions", json=body) as r:
+                async for _ in r.content.iter_any():
+                    pass
+
+    tasks = [asyncio.create_task(one()) for _ in range(n)]
+    t0 = time.monotonic()
+    while await engine_held(http, [s for s in sims if s.role == "decode"]) < n:
+        assert time.monotonic() - t0 < 20, "the streams did not all reach the decodes"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)  # past the gateway's last record (``lineage.RECORD_S``): a kill loses nothing of them
+    proc.stop(signal.SIGKILL)
+    await asyncio.gather(*tasks)
+    await asyncio.sleep(1.5)
+    return await engine_held(http, sims)
+
+
+@pytest.mark.parametrize("mode,successor_finds_it", [("exact", True), ("count", True), ("exact", False)])
+async def test_a_restarted_gateway_aborts_what_its_killed_predecessor_left_pinned(
+        procs: Procs, http: aiohttp.ClientSession, tmp_path: Path, mode: str, successor_finds_it: bool) -> None:
+    """One gateway on the default embedded store, engines without the fixes, 30 streams in flight, SIGKILL; the same
+    config started again. Its predecessor's pins (prefills waiting in their inflight queue for acks that never come,
+    their disconnect aborts lost) are aborted by rid and gone from the engines within interval + grace + 10 s, by the
+    engines' own counts: in exact mode (the engines list rids) and in count mode (they list nothing: the rids come
+    from the predecessor's record). With the state directory off (nothing recorded) they stay."""
+    sims = pinning_sims(procs, mode)
+    rc = "[reconcile]\ninterval_s = 0.5\ngrace_s = 1.0\ndrift_checks = 2\n"
+    state = f'state_dir = "{tmp_path / "state"}"\n' if successor_finds_it else 'state_dir = ""\n'
+    cfg = tmp_path / "g.toml"
+    cfg.write_text(f"[gateway]\nport = {free_port()}\nadmin_port = {free_port()}\naccess_log = false\n{state}{rc}"
+                   + workers_toml(sims[:2], sims[2:]))
+    a, url, _ = serve_gateway(procs, cfg, "gateway-a")
+    pinned = await streams_then_kill(http, url, a, 30, sims)
+    assert pinned >= 20, f"the fixes off, most of the 30 stay pinned: {pinned}"
+    started = time.monotonic()
+    b, _, admin = serve_gateway(procs, cfg, "gateway-b")
+    bound = 0.5 + 1.0 + 10
+    if not successor_finds_it:
+        await asyncio.sleep(bound)
+        assert await engine_held(http, sims) == pinned, "nothing knew the killed gateway: its pins stay"
+        return
+    await wait_held(http, sims, 0, within=bound - (time.monotonic() - started))
+    async with http.get(admin + "/v1/workers") as r:
+        ws = (await r.json())["workers"]
+    reaped = {w["id"]: w["reaped"] for w in ws if w["reaped"]}
+    assert reaped and all(len(v) == 1 for v in reaped.values()), reaped
+    assert sum(n for w in ws if w["role"] == "prefill" for n in w["reaped"].values()) >= pinned
+    left = sorted(p.name for p in (tmp_path / "state" / "instances").iterdir())
+    assert len(left) == 1, f"the predecessor's record is gone, the successor's is there: {left}"
+    b.stop(signal.SIGTERM)
+    assert not list((tmp_path / "state" / "instances").iterdir()), "a clean stop leaves no record"

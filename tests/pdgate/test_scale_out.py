@@ -204,10 +204,13 @@ async def test_sessions_keep_their_prefill_whichever_process_serves_them(
 
 
 # ---- replicas ----------------------------------------------------------------------------------------------------
-def serve(procs: Procs, tmp_path: Path, name: str, prefills: list[Sim], decodes: list[Sim], extra: str = "") -> tuple[Proc, str, str]:
+def serve(procs: Procs, tmp_path: Path, name: str, prefills: list[Sim], decodes: list[Sim], extra: str = "",
+          state: str | None = None) -> tuple[Proc, str, str]:
+    """A replica: a gateway process with a state directory of its own (``state``: this one, shared)."""
     port, admin = free_port(), free_port()
     cfg = tmp_path / f"{name}.toml"
-    cfg.write_text(f"[gateway]\nport = {port}\nadmin_port = {admin}\naccess_log = false\n{extra}"
+    cfg.write_text(f"[gateway]\nport = {port}\nadmin_port = {admin}\naccess_log = false\n"
+                   f'state_dir = "{state or tmp_path / (name + "-state")}"\n{extra}'
                    + workers_toml(prefills, decodes))
     proc = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg)], name=name)
     url = f"http://127.0.0.1:{port}"
@@ -228,13 +231,15 @@ async def reconcile_aborts(http: aiohttp.ClientSession, admin: str) -> float:
                if line.startswith("pdgate_reconcile_aborts_total{"))
 
 
-async def replicas_run(procs: Procs, tmp_path: Path, tokens: int) -> None:
+async def replicas_run(procs: Procs, tmp_path: Path, tokens: int, shared_state: bool = False) -> None:
     """Two replicas with the default config (no store: each alone) on the same engines, which list their rids
-    (exact mode); streams through one outlive every pass of the other's reconciler."""
+    (exact mode); streams through one outlive every pass of the other's reconciler. Each has a state directory of
+    its own, or (``shared_state``) both the same one: a live process there is never a predecessor."""
     p, d = procs.sim("prefill", "--fixes", "none"), procs.sim("decode", "--fixes", "none", "--speed", "15")
     fast = "[reconcile]\ninterval_s = 0.3\ngrace_s = 0.5\n"  # the other's reconciler looks often
-    _, a_url, a_admin = serve(procs, tmp_path, "a", [p], [d])
-    _, _, b_admin = serve(procs, tmp_path, "b", [p], [d], fast)
+    state = str(tmp_path / "state") if shared_state else None
+    _, a_url, a_admin = serve(procs, tmp_path, "a", [p], [d], state=state)
+    _, _, b_admin = serve(procs, tmp_path, "b", [p], [d], fast, state=state)
     async with aiohttp.ClientSession() as http:
         texts = await asyncio.gather(*(stream_text(http, a_url, chat(max_tokens=tokens, stream=True)) for _ in range(3)))
         assert all(t.rstrip().endswith("data: [DONE]") and '"error"' not in t for t in texts), \
@@ -244,8 +249,10 @@ async def replicas_run(procs: Procs, tmp_path: Path, tokens: int) -> None:
         assert await reconcile_aborts(http, b_admin) == 0 and await reconcile_aborts(http, a_admin) == 0
 
 
-async def test_two_default_replicas_never_abort_each_others_streams(procs: Procs, tmp_path: Path) -> None:
-    await replicas_run(procs, tmp_path, 80)  # ~6 s: twenty passes of the other's reconciler
+@pytest.mark.parametrize("shared_state", [False, True])
+async def test_two_default_replicas_never_abort_each_others_streams(procs: Procs, tmp_path: Path,
+                                                                    shared_state: bool) -> None:
+    await replicas_run(procs, tmp_path, 80, shared_state)  # ~6 s: twenty passes of the other's reconciler
 
 
 @pytest.mark.slow
