@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("engine.supervisor")
-ENGINES = ("sim", "sglang")
+ENGINES = ("sim", "sglang", "vllm")
 KINDS = ("sglang", "vllm")  # the protocols: what the gateway talks to each worker as
 
 
@@ -57,6 +57,10 @@ class WorkerDef:
             from engine.sglang.plan import command
 
             return command(self.options)
+        if self.engine == "vllm":
+            from engine.vllm import plan
+
+            return plan.command(self.options)
         raise ValueError(f"worker {self.name}: engine {self.engine!r} is not supported here (supported: {', '.join(ENGINES)})")
 
 
@@ -83,13 +87,20 @@ def load_cluster(path: str | Path, allow_unsafe_kernel_profile: bool = False) ->
 
             allowed = KEYS
             env, _ = environment(w, allow_unsafe_kernel_profile)  # profile + GPUs + env; refuses known-bad knobs
+        elif w.get("engine") == "vllm":
+            from engine.vllm import plan
+
+            allowed = plan.KEYS
+            env = plan.environment(w)
+            w = {**w, "kind": w.get("kind", "vllm")}
         unknown = set(w) - allowed
         if unknown:
             raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
         if w.get("engine", "sim") not in ENGINES:
             raise ValueError(f"{where}: engine {w.get('engine')!r} not supported here (supported: {', '.join(ENGINES)})")
-        if w.get("kind", "sglang") not in KINDS or (w.get("kind", "sglang") != "sglang" and w.get("engine", "sim") != "sim"):
-            raise ValueError(f"{where}: kind must be one of {', '.join(KINDS)} (vllm: sim workers only here), got "
+        kind, engine = w.get("kind", "sglang"), w.get("engine", "sim")
+        if kind not in KINDS or (engine != "sim" and kind != {"sglang": "sglang", "vllm": "vllm"}[engine]):
+            raise ValueError(f"{where}: kind must be one of {', '.join(KINDS)} (a real engine speaks its own), got "
                              f"{w.get('kind')!r}")
         if w.get("role") not in ("prefill", "decode"):
             raise ValueError(f"{where}: role must be prefill or decode, got {w.get('role')!r}")
@@ -97,7 +108,8 @@ def load_cluster(path: str | Path, allow_unsafe_kernel_profile: bool = False) ->
             raise ValueError(f"{where}: name missing or repeated")
         names.add(w["name"])
         workers.append(WorkerDef(name=w["name"], engine=w.get("engine", "sim"), role=w["role"], port=int(w["port"]),
-                                 bootstrap_port=w.get("bootstrap_port", 8998 if w["role"] == "prefill" else None),
+                                 bootstrap_port=w.get("bootstrap_port", 8998 if w["role"] == "prefill"
+                                                      and w.get("engine") != "vllm" else None),
                                  args=tuple(str(a) for a in w.get("args", [])),
                                  env=tuple(env.items()), kind=str(w.get("kind", "sglang")), options=w))
     if not workers:

@@ -10,8 +10,11 @@
   reads it from the prefill named in its params (``POST /sim/vllm/kv_read``; gone: the prompt is computed here), then
   generates, streamed (one event per token) or whole. No timeout of its own while it waits, as vLLM has none.
 - Either role: a client that closes its connection aborts its request (vLLM's ``with_cancellation``); a request
-  without ``kv_transfer_params`` is served whole (aggregated). No abort by id unless ``VLLM_SERVER_DEV_MODE=1``
-  (then ``POST /abort_requests {"request_ids"}``, external ids ``chatcmpl-<X-Request-Id>``, ``cmpl-<id>-0``).
+  without ``kv_transfer_params`` is served whole (aggregated). Abort by id as vLLM 0.32: ``POST
+  /inference/v1/abort_requests {"request_ids"}`` (external ids ``chatcmpl-<X-Request-Id>``, ``cmpl-<id>-0``) answers
+  403 ``PermissionDeniedError`` unless the server runs with ``--enable-scale-out`` (here: ``VLLM_SCALE_OUT=1``), and
+  the legacy ``POST /abort_requests`` is there only with ``VLLM_SERVER_DEV_MODE=1`` (else 404); seen on real vLLM
+  0.32 (docs/fidelity.md).
 - Probes as vLLM's: ``/health`` (200, empty), ``/version``, ``/v1/models`` (``max_model_len``), ``/metrics``
   (``vllm:num_requests_running``, ``vllm:num_requests_waiting``, ``process_start_time_seconds``). vLLM lists no
   request ids; the tests' ``/pdgate/v1/requests`` (running, waiting, KV kept) is the sim's, not vLLM's.
@@ -212,6 +215,16 @@ class VllmSim:
     async def abort_requests(self, request: Request) -> Response:
         if os.environ.get("VLLM_SERVER_DEV_MODE") != "1":
             return jsonr({"detail": "Not Found"}, 404)
+        return self._abort(request)
+
+    async def scale_out_abort(self, request: Request) -> Response:
+        if os.environ.get("VLLM_SCALE_OUT") != "1":  # vLLM 0.32 without --enable-scale-out: registered, refused
+            return jsonr({"error": {"message": "Scale-out endpoints are disabled. Restart vllm serve with "
+                                    "--enable-scale-out to enable them.", "type": "PermissionDeniedError",
+                                    "param": None, "code": 403}}, 403)
+        return self._abort(request)
+
+    def _abort(self, request: Request) -> Response:
         ids = orjson.loads(request.body).get("request_ids") or []
         for ext in ids:
             rid = str(ext).removeprefix("chatcmpl-").removeprefix("cmpl-").removesuffix("-0")
@@ -272,7 +285,9 @@ def build_server(sim: VllmSim) -> Server:
 
     for method, path, h in (("GET", "/health", health), ("GET", "/version", version), ("GET", "/v1/models", models),
                             ("GET", "/metrics", metrics), ("POST", KV_READ, sim.kv_read),
-                            ("POST", "/abort_requests", sim.abort_requests), ("GET", p.EXT_REQUESTS_PATH, requests),
+                            ("POST", "/abort_requests", sim.abort_requests),
+                            ("POST", "/inference/v1/abort_requests", sim.scale_out_abort),
+                            ("GET", p.EXT_REQUESTS_PATH, requests),
                             ("POST", p.EXT_FAULTS_PATH, faults), ("GET", "/pdgate/v1/sent", sent)):
         r.add(method, path, h)
     keepalive = float(os.environ.get("VLLM_HTTP_TIMEOUT_KEEP_ALIVE", "5"))

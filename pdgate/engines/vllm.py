@@ -7,8 +7,10 @@
   (``decode_after``). None returned: the decode recomputes the prompt. Both legs carry the attempt's rid as
   ``X-Request-Id`` (the request path sets it), which NIXL correlates on before vLLM 0.13.
 - Abort: vLLM aborts a request when its client's connection closes, and the request path closes a leg it ends.
-  A default ``vllm serve`` has no abort by id; where the engine offers ``POST /abort_requests`` (``--tokens-only``,
-  ``VLLM_SERVER_DEV_MODE``) it is sent too (an engine that answers 404 is not asked again until it was down).
+  It is told by id too where it offers that: ``POST /inference/v1/abort_requests`` (vLLM 0.32 registers it on every
+  ``vllm serve`` but answers 403 unless ``--enable-scale-out``; guarded by ``--api-key``), else ``POST
+  /abort_requests`` (``--tokens-only``, ``VLLM_SERVER_DEV_MODE``); a path that answers 403 or 404 is not asked
+  again until the engine was down.
   Its decode may be torn down while it waits for KV (vLLM keeps the blocks until the read ends): never deferred.
 - A prefill's KV that no decode reads is freed by the engine itself: ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` (480 s in
   0.12-0.21) or the KV lease (30 s, 0.22+). A decode waiting for KV has no engine timeout: the request's
@@ -39,7 +41,7 @@ if TYPE_CHECKING:
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
               "remote_host": None, "remote_port": None}
-ABORT_PATH = "/abort_requests"
+ABORT_PATHS = ("/inference/v1/abort_requests", "/abort_requests")  # the first an engine does not answer 404 to
 GAUGE = re.compile(rb"^vllm:(num_requests_running|num_requests_waiting)\{[^}]*\} ([0-9.eE+-]+)$", re.M)
 STARTED = re.compile(rb"^process_start_time_seconds ([0-9.eE+]+)$", re.M)
 
@@ -53,7 +55,7 @@ class VLLM:
 
     def __init__(self, upstream: Upstream) -> None:
         self.up = upstream
-        self.no_abort: set[str] = set()  # engines that answered 404 to /abort_requests (not asked until down)
+        self.no_abort: dict[str, int] = {}  # engine -> how many of ABORT_PATHS it refused (not asked until down)
 
     # ---- the legs ----------------------------------------------------------------------
     def legs(self, body: dict[str, Any], att: Attempt, prefill: WorkerSpec) -> tuple[bytes, bytes]:
@@ -103,14 +105,13 @@ class VLLM:
 
     async def abort(self, url: str, rid: str) -> int:
         """Closing the leg aborted it; an engine that offers abort by id is told too (its external ids)."""
-        if url in self.no_abort:
-            return 200
-        status = await self.up.post_small(url, ABORT_PATH, orjson.dumps(
-            {"request_ids": [f"chatcmpl-{rid}", f"cmpl-{rid}-0", rid]}))
-        if status == 404:
-            self.no_abort.add(url)
-            return 200
-        return status
+        body = orjson.dumps({"request_ids": [f"chatcmpl-{rid}", f"cmpl-{rid}-0", rid]})
+        while (tried := self.no_abort.get(url, 0)) < len(ABORT_PATHS):
+            status = await self.up.post_small(url, ABORT_PATHS[tried], body)
+            if status not in (403, 404):
+                return status
+            self.no_abort[url] = tried + 1
+        return 200
 
     # ---- probes ------------------------------------------------------------------------
     async def probe(self, url: str, role: str, timeout_s: float) -> Probe:
@@ -166,5 +167,5 @@ class VLLM:
         return None  # vLLM lists no request ids: counts only
 
     def forget(self, url: str) -> None:
-        self.no_abort.discard(url)  # whatever comes back up may offer it
+        self.no_abort.pop(url, None)  # whatever comes back up may offer it
 

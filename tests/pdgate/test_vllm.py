@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any
 
 import aiohttp
+import pytest
 import openai
 
 from pdgate.config import DeadlineConfig, GatewayConfig, HealthConfig, ReconcileConfig, WorkerSpec, validate
@@ -196,12 +197,15 @@ async def test_retried_before_the_first_byte_and_a_restarted_decode_found(procs:
     assert after["identity"] != before["identity"] and after["restarts"] > before["restarts"], after
 
 
+@pytest.mark.parametrize("abort_by_id", ["VLLM_SERVER_DEV_MODE", "VLLM_SCALE_OUT"])
 async def test_reconciliation_by_counts_finds_drift_and_clears_it(procs: Procs, gateways: list[Any],
-                                                                  http: aiohttp.ClientSession) -> None:
+                                                                  http: aiohttp.ClientSession, abort_by_id: str) -> None:
     """A decode that does not notice its client left (fault ignore_disconnect) runs on after the gateway ended the
-    request (its own abort off here, as if lost): vLLM lists no rids, so reconciliation compares counts, sees the excess, and sends the recent rids'
-    aborts again, which this engine takes by id (VLLM_SERVER_DEV_MODE=1): the excess is gone."""
-    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    request (its own abort off here, as if lost): vLLM lists no rids, so reconciliation compares counts, sees the
+    excess, and sends the recent rids' aborts again, which this engine takes by id: the legacy /abort_requests
+    (VLLM_SERVER_DEV_MODE=1), or vLLM 0.32's /inference/v1/abort_requests (--enable-scale-out; without it 403, as a
+    real vLLM 0.32 answers): the excess is gone."""
+    env = {abort_by_id: "1"}
     p = procs.sim("prefill", *VLLM, env=env)
     d = procs.sim("decode", *VLLM, "--speed", "20", "--fault", "ignore_disconnect=1", env=env)
     cfg = vllm_config([p], [d], health=HealthConfig(interval_s=0.3, timeout_s=0.5, failures=2),

