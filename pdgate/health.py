@@ -39,11 +39,13 @@ class Health:
             ev.set()
 
     async def check(self, w: Worker) -> None:
-        started = self.clock()
+        started, before = self.clock(), w.load
         p = await w.engine.probe(w.url, w.role, self.cfg.timeout_s)
         c = w.checks
         if p.ok:
             c.uncounted = 0
+            # what the engine's count may include of ours: any request live while the check was out
+            w.probe_load, w.probe_seq = max(before, w.load), w.probe_seq + 1
             self.on_up(w, p)
         else:
             inconclusive = late_not_lost(w, started, p)

@@ -58,6 +58,7 @@ class Reconciler:
         self.again: dict[tuple[str, str], int] = {}  # (worker id, rid) of a gone instance -> sends left (count mode)
         self.drift_runs: dict[str, int] = {}
         self.drift_since: dict[str, float] = {}
+        self.drift_seq: dict[str, int] = {}  # worker id -> the health check whose count was judged last
 
     def live_rids(self) -> set[str]:
         return {r.attempts[-1].rid for r in self.traces.live.values() if r.attempts}
@@ -119,7 +120,7 @@ class Reconciler:
         ``REPEATS`` passes."""
         for (wid, rid), left in list(self.again.items()):
             w = self.pool.by_id.get(wid)
-            if w is None or w.info.lists_rids or left <= 0 or (w.info.held is not None and w.info.held <= w.load):
+            if w is None or w.info.lists_rids or left <= 0 or (w.info.held is not None and w.info.held <= w.probe_load):
                 del self.again[(wid, rid)]
                 continue
             self.again[(wid, rid)] = left - 1
@@ -151,8 +152,11 @@ class Reconciler:
             await self.abort(w, h.rid, "exact")
 
     async def count(self, w: Worker) -> None:
+        if self.drift_seq.get(w.id) == w.probe_seq:
+            return  # no new engine count since the last pass: one reading is judged once
+        self.drift_seq[w.id] = w.probe_seq
         held = w.info.held or 0
-        excess = held - w.load
+        excess = held - w.probe_load  # against what we held while that count was taken, not a later moment's
         w.drift = max(0, excess)
         self.metrics.drift.labels(w.id).set(w.drift)
         runs = self.drift_runs[w.id] = self.drift_runs.get(w.id, 0) + 1 if excess > 0 else 0
@@ -164,7 +168,8 @@ class Reconciler:
         since = self.drift_since[w.id] - (self.cfg.interval_s + self.gcfg.health.interval_s + self.cfg.grace_s)
         rids = [rid for wid, rid, ended in self.recent if wid == w.id and ended >= since]
         if rids:
-            log.warning("drift on %s: engine holds %d, we hold %d; re-aborting %d recent rids", w.id, held, w.load, len(rids))
+            log.warning("drift on %s: engine holds %d, we held %d; re-aborting %d recent rids", w.id, held, w.probe_load,
+                        len(rids))
         for rid in rids:
             await self.abort(w, rid, "count")
         self.drift_runs[w.id] = 0

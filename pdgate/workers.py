@@ -166,6 +166,8 @@ class Worker:
     slots: Slots = field(default_factory=Slots)
     orphans: int = 0  # engine-held rids found orphaned in the last reconcile pass (exact mode)
     drift: int = 0  # engine count above our live count (count mode)
+    probe_seq: int = 0  # passed health checks so far (count mode judges each engine count once)
+    probe_load: int = 0  # the most live requests we held on it while the last passed check was out
     reaped: dict[str, int] = field(default_factory=dict)  # gone gateway instance -> its rids aborted here (bounded)
 
     @property

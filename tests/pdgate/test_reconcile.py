@@ -282,3 +282,30 @@ async def test_a_restarted_gateway_aborts_what_its_killed_predecessor_left_pinne
     assert len(left) == 1, f"the predecessor's record is gone, the successor's is there: {left}"
     b.stop(signal.SIGTERM)
     assert not list((tmp_path / "state" / "instances").iterdir()), "a clean stop leaves no record"
+
+
+async def test_count_mode_judges_each_engine_count_once_against_what_we_held_then(
+        procs: Procs, http: aiohttp.ClientSession, gateways: list[Any]) -> None:
+    """Plain SGLang (counts only), health checks every 1.5 s, reconciliation every 0.2 s: when streams end, the last
+    engine count (taken while they ran) is read again by several passes before the next check. Compared with what we
+    hold now, each pass saw an excess and the ended streams' rids were re-aborted as drift (found on real vLLM, whose
+    counts lag too); judged once, against what we held while it was taken, nothing is drift."""
+    from pdgate.config import HealthConfig
+
+    p, d = procs.pair("--no-extension", "--speed", "15")
+    rc = ReconcileConfig(interval_s=0.2, grace_s=0.2, drift_checks=2)
+    g = await gateway(gateways, [p], [d], reconcile=rc,
+                      health=HealthConfig(interval_s=1.5, timeout_s=1.0, failures=3, degraded_after_s=30))
+    body = {**CHAT, "stream": True, "max_tokens": 20}
+    for _ in range(3):
+        got = await asyncio.gather(*(post_raw_body(http, g.url, body) for _ in range(3)))
+        assert all(b"[DONE]" in b for b in got)
+        await asyncio.sleep(1.0)  # passes on the count taken while they ran
+    async with http.get(g.admin + "/metrics") as r:
+        text = await r.text()
+    assert 'mode="count"' not in text, "no ended stream taken for drift"
+
+
+async def post_raw_body(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> bytes:
+    async with http.post(url + "/v1/chat/completions", json=body) as r:
+        return await r.read()

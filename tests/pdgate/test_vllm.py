@@ -11,8 +11,8 @@ import dataclasses
 from typing import Any
 
 import aiohttp
-import pytest
 import openai
+import pytest
 
 from pdgate.config import DeadlineConfig, GatewayConfig, HealthConfig, ReconcileConfig, WorkerSpec, validate
 from tests.engine.simclient import engine_requests, set_faults

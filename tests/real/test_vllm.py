@@ -1,0 +1,326 @@
+"""pdgate in front of a real vLLM PD pair on this CPU (vLLM 0.32 for CPU, NIXL moving the KV through CPU memory, the
+tiny random model): the OpenAI SDK and the Agents SDK through it, every deadline ending both legs, a client leaving,
+an operator's abort, a retry before the first byte, a decode killed mid-stream and found restarted by its identity, a
+prefill frozen, counts reconciled. Judged from outside: the client's clock, and what the engines' own ``/metrics``
+say they hold (``vllm:num_requests_running`` + ``waiting``) and transferred (``vllm:nixl_*``). The model's words
+are random; the protocol is what is tested. Timeouts are sized for two engines of three processes each on two
+cores, whose NIXL progress threads poll without sleeping (docs/fidelity.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from pdgate.config import GatewayConfig, HealthConfig, ReconcileConfig, WorkerSpec, validate
+from tests.pdgate.harness import Running, start_gateway
+from tests.procs import Procs, free_port
+from tests.real.conftest import Pair
+
+pytestmark = pytest.mark.timeout(300)  # a decode restart (~40 s) and NIXL's stalls on two cores
+CLEAN_S = 15.0  # both engines hold nothing within this (the promise's "within seconds", on a loaded 2-core box)
+MSG = [{"role": "user", "content": "Tell me about the weather in a few words."}]
+
+
+def config(pair: Pair, extra_decodes: tuple[str, ...] = (), **kw: Any) -> GatewayConfig:
+    return validate(GatewayConfig(
+        port=free_port(), admin_port=free_port(), drain_s=0.5, state_dir=tempfile.mkdtemp(prefix="pdgate-state-"),
+        prefill=(WorkerSpec(url=pair.prefill.url, role="prefill", engine="vllm"),),
+        decode=(WorkerSpec(url=pair.decode.url, role="decode", engine="vllm"),
+                *(WorkerSpec(url=u, role="decode", engine="vllm") for u in extra_decodes)),
+        health=kw.pop("health", HealthConfig(interval_s=1.0, timeout_s=5.0, failures=3, degraded_after_s=60)), **kw))
+
+
+@pytest.fixture
+async def gw(pair: Pair) -> AsyncIterator[Running]:
+    g = await start_gateway(config(pair))
+    try:
+        await healthy(g)
+        yield g
+    finally:
+        await g.close()
+
+
+async def healthy(g: Running, within: float = 30.0) -> None:
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession() as http:
+        while True:
+            async with http.get(g.admin + "/v1/workers") as r:
+                ws = (await r.json())["workers"]
+            if ws and all(w["healthy"] for w in ws):
+                return
+            assert time.monotonic() - t0 < within, ws
+            await asyncio.sleep(0.2)
+
+
+def sdk(g: Running, **kw: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=g.url + "/v1", api_key="none", max_retries=0, timeout=60, **kw)
+
+
+async def clean(pair: Pair, within: float = CLEAN_S) -> float:
+    return await asyncio.to_thread(pair.wait_clean, within)
+
+
+async def direct_prompt_tokens(pair: Pair, messages: list[dict[str, Any]]) -> int:
+    """What vLLM itself counts for this prompt: the decode asked directly, without PD (one token)."""
+    async with aiohttp.ClientSession() as http, http.post(pair.decode.url + "/v1/chat/completions", json={
+            "model": pair.model, "messages": messages, "max_tokens": 1}) as r:
+        assert r.status == 200, await r.text()
+        return int((await r.json())["usage"]["prompt_tokens"])
+
+
+async def test_the_openai_sdk_chat_and_completions_stream_and_not(pair: Pair, gw: Running) -> None:
+    """Chat and completions, streamed and not: 200s with usage equal to what vLLM counts; the KV really moved (the
+    decode's NIXL transfers grew by one per request); nothing held afterwards."""
+    before = pair.decode.metrics().get("vllm:nixl_xfer_time_seconds_count", 0.0)
+    client = sdk(gw)
+    try:
+        r = await client.chat.completions.create(model=pair.model, messages=MSG, max_tokens=12)  # type: ignore[arg-type]
+        assert r.choices[0].message.content is not None and r.usage is not None
+        assert r.usage.prompt_tokens == await direct_prompt_tokens(pair, MSG)
+        assert r.usage.completion_tokens == 12 or r.choices[0].finish_reason == "stop"
+        stream = await client.chat.completions.create(model=pair.model, messages=MSG, max_tokens=12,  # type: ignore[arg-type]
+                                                      stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = [c.usage for c in chunks if c.usage]
+        assert text and usage and usage[-1].completion_tokens == 12 or chunks[-2].choices[0].finish_reason == "stop"
+        assert usage[-1].prompt_tokens == r.usage.prompt_tokens
+        c = await client.completions.create(model=pair.model, prompt="The weather today is", max_tokens=8)
+        assert c.choices[0].text is not None and c.usage is not None and c.usage.completion_tokens <= 8
+        cs = await client.completions.create(model=pair.model, prompt="The weather today is", max_tokens=8, stream=True)
+        assert "".join([x.choices[0].text async for x in cs if x.choices])
+    finally:
+        await client.close()
+    after = pair.decode.metrics().get("vllm:nixl_xfer_time_seconds_count", 0.0)
+    assert after - before >= 4, f"every request's KV read by the decode over NIXL: {before} -> {after}"
+    await clean(pair)
+
+
+async def test_tool_calls_are_accepted_and_the_agents_sdk_runs_a_turn(pair: Pair, gw: Running) -> None:
+    """A request with tools (vLLM: auto tool choice, the hermes parser) is answered; the Agents SDK runs a tool-armed
+    agent through the gateway to a final output (the model's words are random: it will not call the tool)."""
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    tools = [{"type": "function", "function": {"name": "read_file", "description": "read a file",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "path": {"type": "string"}}, "required": ["path"]}}}]
+    client = sdk(gw)
+    try:
+        r = await client.chat.completions.create(model=pair.model, messages=MSG, tools=tools,  # type: ignore[arg-type]
+                                                 tool_choice="auto", max_tokens=16)
+        assert r.choices[0].message.role == "assistant"
+        assert r.choices[0].message.content is not None or r.choices[0].message.tool_calls
+
+        @function_tool
+        def read_file(path: str) -> str:
+            """Read a file.
+
+            Args:
+                path: the file's path.
+            """
+            return "fine"
+
+        set_tracing_disabled(True)
+        agent = Agent(name="coder", instructions="Use read_file when asked.", tools=[read_file],
+                      model=OpenAIChatCompletionsModel(model=pair.model, openai_client=client),
+                      model_settings=ModelSettings(max_tokens=16))
+        result = await Runner.run(agent, "please read the readme", max_turns=3)
+        assert isinstance(result.final_output, str)
+    finally:
+        await client.close()
+    await clean(pair)
+
+
+async def test_a_1ms_ttft_budget_is_a_504_and_both_engines_end_clean(pair: Pair, gw: Running) -> None:
+    """TTFT budget 1 ms: a 504 naming it, at once; neither engine holds the request within seconds. The prefill's KV
+    kept for a decode that never read it is freed by vLLM's own lease (30 s; counted as expired) — pdgate cannot free
+    it sooner: the prefill's request has finished, an abort by id finds nothing (docs/fidelity.md)."""
+    async with aiohttp.ClientSession() as http:
+        t0 = time.monotonic()
+        async with http.post(gw.url + "/v1/chat/completions", json={"model": pair.model, "messages": MSG,
+                                                                     "max_tokens": 64},
+                             headers={"x-pdgate-ttft-timeout": "0.001"}) as r:
+            body = await r.json()
+            took = time.monotonic() - t0
+        assert r.status == 504 and "ttft" in body["error"]["message"], body
+        async with http.get(f"{gw.admin}/v1/requests/{r.headers['x-request-id']}") as t:
+            trace = await t.json()
+        assert took < 1.0, (took, trace)
+    await clean(pair, 10.0)
+
+
+@pytest.mark.parametrize("budget", ["total", "idle"])
+async def test_a_deadline_mid_stream_ends_it_with_an_error_event_and_frees_both_legs(
+        pair: Pair, gw: Running, budget: str) -> None:
+    """A long stream cut by its total budget (0.5 s), or by its idle budget (1 s) while the decode is frozen
+    (SIGSTOP): one error event naming the budget, then [DONE], on time; after the decode runs again neither engine
+    holds it."""
+    headers = {"x-pdgate-timeout": "0.5"} if budget == "total" else {"x-pdgate-idle-timeout": "1"}
+    async with aiohttp.ClientSession() as http:
+        t0 = time.monotonic()
+        events: list[bytes] = []
+        async with http.post(gw.url + "/v1/chat/completions", headers=headers, json={
+                "model": pair.model, "messages": MSG, "max_tokens": 1000, "stream": True, "ignore_eos": True}) as r:
+            assert r.status == 200
+            async for line in r.content:
+                if line.startswith(b"data:"):
+                    events.append(line)
+                    if budget == "idle" and len(events) == 2:
+                        pair.decode.signal(signal.SIGSTOP)
+        took = time.monotonic() - t0
+    if budget == "idle":
+        pair.decode.signal(signal.SIGCONT)
+    assert events[-1].strip() == b"data: [DONE]" and b'"error"' in events[-2], events[-3:]
+    assert budget.encode() in events[-2], events[-2]
+    assert took < (0.5 if budget == "total" else 1.0) + 2.0, took
+    await clean(pair)
+
+
+async def test_a_client_that_leaves_mid_stream_and_an_operators_abort_free_both_legs(pair: Pair, gw: Running) -> None:
+    async with aiohttp.ClientSession() as http:
+        body = {"model": pair.model, "messages": MSG, "max_tokens": 1000, "stream": True, "ignore_eos": True}
+        async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            n = 0
+            async for line in r.content:
+                n += line.startswith(b"data:")
+                if n == 3:
+                    break  # the client leaves: the connection closes with the response
+        await clean(pair)
+        async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+            rid = r.headers["x-request-id"]
+            lines = []
+            async for line in r.content:
+                if line.startswith(b"data:"):
+                    lines.append(line)
+                    if len(lines) == 2:
+                        async with http.post(f"{gw.admin}/v1/requests/{rid}/abort") as a:
+                            assert a.status in (200, 202), await a.text()
+        assert lines[-1].strip() == b"data: [DONE]" and b"abort" in lines[-2], lines[-2:]
+        assert len(lines) < 500, "ended by the abort, not by its length"
+    await clean(pair)
+
+
+async def test_a_decode_that_fails_before_the_first_byte_is_retried_on_another(pair: Pair, procs: Procs) -> None:
+    """Two decodes, one answering 500 to everything (a vLLM-protocol sim): every request is served by the real pair,
+    the failed attempts retried before the first byte."""
+    bad = procs.sim("decode", "--protocol", "vllm", "--fault", "http_500_rate=1")
+    g = await start_gateway(config(pair, (bad.url,), policy="round_robin"))
+    try:
+        await healthy(g)
+        client = sdk(g)
+        try:
+            for i in range(4):
+                r = await client.chat.completions.create(model=pair.model, messages=MSG, max_tokens=4,  # type: ignore[arg-type]
+                                                         stream=bool(i % 2))
+                if i % 2:
+                    assert "".join([c.choices[0].delta.content or "" async for c in r if c.choices])  # type: ignore[union-attr]
+        finally:
+            await client.close()
+        async with aiohttp.ClientSession() as http, http.get(bad.url + "/metrics") as m:
+            text = await m.text()
+        assert "vllm:num_requests_running" in text
+        retried = [rec for rec in g.gw.traces.finished.values() if len(rec.attempts) > 1]
+        assert retried, "the sim decode was tried and failed over"
+    finally:
+        await g.close()
+    await clean(pair)
+
+
+async def test_counts_are_reconciled_drift_reads_zero_while_streams_run(pair: Pair) -> None:
+    """vLLM lists no rids: reconciliation compares the engine's count with the gateway's. While three streams run and
+    after they end, drift reads 0 on both workers (the engine's count and ours agree), and nothing is aborted."""
+    g = await start_gateway(config(pair, reconcile=ReconcileConfig(interval_s=0.5, grace_s=0.5, drift_checks=2)))
+    try:
+        await healthy(g)
+        async with aiohttp.ClientSession() as http:
+            body = {"model": pair.model, "messages": MSG, "max_tokens": 400, "stream": True, "ignore_eos": True}
+
+            async def one() -> bytes:
+                async with http.post(g.url + "/v1/chat/completions", json=body) as r:
+                    return await r.read()
+
+            tasks = [asyncio.create_task(one()) for _ in range(3)]
+            drift_seen = []
+            while not all(t.done() for t in tasks):
+                async with http.get(g.admin + "/v1/workers") as r:
+                    drift_seen += [w["drift"] for w in (await r.json())["workers"]]
+                await asyncio.sleep(0.3)
+            assert all(b"[DONE]" in t.result() for t in tasks)
+            await asyncio.sleep(1.5)
+            async with http.get(g.admin + "/v1/workers") as r:
+                final = [w["drift"] for w in (await r.json())["workers"]]
+            async with http.get(g.admin + "/metrics") as r:
+                text = await r.text()
+        assert final == [0, 0], final
+        assert 'pdgate_reconcile_aborts_total{mode="count"' not in text, "nothing of a live stream re-aborted"
+    finally:
+        await g.close()
+    await clean(pair)
+
+
+async def test_a_frozen_prefill_is_a_504_within_the_ttft_budget_and_leaves_nothing(pair: Pair, gw: Running) -> None:
+    """The prefill SIGSTOPped: a request with a 2 s TTFT budget is a 504 by then; once it runs again (SIGCONT) neither
+    engine holds it."""
+    pair.prefill.signal(signal.SIGSTOP)
+    try:
+        async with aiohttp.ClientSession() as http:
+            t0 = time.monotonic()
+            async with http.post(gw.url + "/v1/chat/completions", headers={"x-pdgate-ttft-timeout": "2"},
+                                 json={"model": pair.model, "messages": MSG, "max_tokens": 8}) as r:
+                body = await r.json()
+            took = time.monotonic() - t0
+        assert r.status == 504 and "ttft" in body["error"]["message"], body
+        assert 2.0 <= took < 3.5, took
+    finally:
+        pair.prefill.signal(signal.SIGCONT)
+    await clean(pair)
+
+
+async def test_a_decode_killed_mid_stream_ends_it_and_its_restart_is_found(pair: Pair) -> None:
+    """SIGKILL of the decode (its whole process group) mid-stream: the client gets an error event and [DONE] at once;
+    the decode started again is a new identity (restarts + 1) and serves; nothing held afterwards. Last in the tier:
+    it restarts the decode (~40 s)."""
+    g = await start_gateway(config(pair))
+    try:
+        await healthy(g)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(g.admin + "/v1/workers") as r:
+                before = next(w for w in (await r.json())["workers"] if w["role"] == "decode")
+            lines: list[bytes] = []
+            t_kill = 0.0
+            async with http.post(g.url + "/v1/chat/completions", json={
+                    "model": pair.model, "messages": MSG, "max_tokens": 1000, "stream": True, "ignore_eos": True}) as r:
+                async for line in r.content:
+                    if line.startswith(b"data:"):
+                        lines.append(line)
+                        if len(lines) == 3:
+                            pair.decode.signal(signal.SIGKILL)
+                            t_kill = time.monotonic()
+            ended = time.monotonic() - t_kill
+            assert lines[-1].strip() == b"data: [DONE]" and b'"error"' in lines[-2], lines[-2:]
+            assert ended < 5.0, ended
+            pair.notes["decode_restart_s"] = await asyncio.to_thread(pair.decode.restart)
+            t0 = time.monotonic()
+            while True:
+                async with http.get(g.admin + "/v1/workers") as r:
+                    after = next(w for w in (await r.json())["workers"] if w["role"] == "decode")
+                if after["healthy"] and after["identity"] != before["identity"]:
+                    break
+                assert time.monotonic() - t0 < 30, after
+                await asyncio.sleep(0.5)
+            assert after["restarts"] > before["restarts"], after
+            async with http.post(g.url + "/v1/chat/completions",
+                                 json={"model": pair.model, "messages": MSG, "max_tokens": 4}) as r:
+                assert r.status == 200, await r.text()
+    finally:
+        await g.close()
+    await clean(pair)
