@@ -24,6 +24,9 @@ def test_ci_runs_the_readme_test_command() -> None:
     block = readme.split("<!-- test-command -->", 1)[1].split("<!-- /test-command -->", 1)[0]
     cmd = [ln for ln in block.strip().splitlines() if not ln.startswith("```")]
     assert len(cmd) == 1 and "pip install" in cmd[0] and "pytest" in cmd[0]
+    real = readme.split("<!-- real-engines -->", 1)[1].split("<!-- /real-engines -->", 1)[0]
+    install = [ln for ln in real.strip().splitlines() if not ln.startswith("```")]
+    assert len(install) == 1 and f"&& {install[0]} &&" in cmd[0], "the test command installs the real engines"
     ci = (ROOT / ".ci" / "run").read_text()
     assert "test-command" in ci  # .ci/run extracts and runs exactly that block
     out = subprocess.run(["bash", str(ROOT / ".ci" / "run"), "--print"], capture_output=True, text=True)
