@@ -55,6 +55,18 @@ def check_ports(cfg: config.GatewayConfig, cluster: Cluster) -> None:
                                  "--admin-port)")
 
 
+def served_model(cluster: Cluster) -> str:
+    """The model name a client asks for, from the cluster's first worker (shown in the ready message)."""
+    w = cluster.workers[0]
+    opts = w.options if isinstance(w.options, dict) else {}
+    if w.engine == "vllm":
+        return str(opts.get("served_model_name", "tiny-llama"))
+    if w.engine == "sglang":
+        return str(opts.get("served_model_name") or opts.get("model", "default"))
+    args = list(w.args)
+    return args[args.index("--model") + 1] if "--model" in args[:-1] else "sim-model"
+
+
 def per_instance(cluster: Cluster, port: int) -> Cluster:
     """Logs of this instance apart from any other's: ``<log_dir>/pdgate-<port>/<worker>.log``."""
     return dataclasses.replace(cluster, log_dir=cluster.log_dir / f"pdgate-{port}")
@@ -166,7 +178,8 @@ async def run_up(cluster_path: str, config_path: str | None, host: str | None, p
               f"  admin plane: {admin_url} ({key_note})\n"
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               + ("    -H 'Authorization: Bearer <a client key>' \\\n" if cfg.keys else "") +
-              """    -d '{"model":"sim-model","messages":[{"role":"user","content":"say hi"}],"max_tokens":8}'\n"""
+              f"""    -d '{{"model":"{served_model(cluster)}","messages":[{{"role":"user","content":"say hi"}}],"""
+              """"max_tokens":8}'\n"""
               "  pdgate ps   pdgate workers   pdgate trace <x-request-id>   pdgate top\n"
               "Ctrl-C stops the gateway and every worker.", flush=True)
         if running is not None:

@@ -84,8 +84,14 @@ def test_cluster_file_errors_are_clear(tmp_path: Path) -> None:
     bad.write_text('[[worker]]\nname = "x"\nrole = "router"\nport = 1\n')
     with pytest.raises(ValueError, match=r"role must be prefill or decode"):
         load_cluster(bad)
-    bad.write_text('[[worker]]\nname = "x"\nengine = "vllm"\nrole = "decode"\nport = 1\n')
-    with pytest.raises(ValueError, match=r"engine 'vllm' not supported"):
+    bad.write_text('[[worker]]\nname = "x"\nengine = "trtllm"\nrole = "decode"\nport = 1\n')
+    with pytest.raises(ValueError, match=r"engine 'trtllm' not supported"):
+        load_cluster(bad)
+    bad.write_text('[[worker]]\nname = "x"\nengine = "vllm"\nkind = "sglang"\nrole = "decode"\nport = 1\n')
+    with pytest.raises(ValueError, match=r"a real engine speaks its own"):
+        load_cluster(bad)
+    bad.write_text('[[worker]]\nname = "x"\nengine = "vllm"\nrole = "decode"\nport = 1\ngpus = [0]\n')
+    with pytest.raises(ValueError, match=r"unknown keys \['gpus'\]"):
         load_cluster(bad)
 
 
