@@ -5,7 +5,9 @@
   time, as a prefill batch), answered with its one token and ``kv_transfer_params`` (``do_remote_prefill``,
   ``remote_engine_id``, ``remote_block_ids``, ``remote_host``/``remote_port``: this sim, ``remote_request_id``: the
   request's ``X-Request-Id``, ``tp_size``), and its KV kept until a decode reads it or
-  ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` (480 s, as vLLM 0.12-0.21) expires.
+  its timeout expires: 30 s, as vLLM 0.22+'s KV lease (``kv_lease_duration``; seen on real vLLM 0.32: docs/fidelity.md;
+  the decode's heartbeats that extend a lease while it waits are not modelled), ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``
+  to set it (vLLM 0.12-0.21's name for it: 480 s there).
 - Decode role: a request with ``do_remote_prefill`` waits for its KV (``WAITING_FOR_REMOTE_KVS``: counted waiting),
   reads it from the prefill named in its params (``POST /sim/vllm/kv_read``; gone: the prompt is computed here), then
   generates, streamed (one event per token) or whole. No timeout of its own while it waits, as vLLM has none.
@@ -56,7 +58,7 @@ class VllmSim:
         self.started = time.time()
         self.engine_id = uuid.uuid4().hex
         self.identity = f"vllm-sim-{self.engine_id[:12]}"
-        self.timeout_s = float(os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "480"))
+        self.timeout_s = float(os.environ.get("VLLM_NIXL_ABORT_REQUEST_TIMEOUT", "30"))  # 0.32's lease
         self.running: dict[str, SimRequest] = {}
         self.waiting: dict[str, SimRequest] = {}
         self.kv: dict[str, float] = {}  # prefill: the KV kept for a decode, by request id -> when it is freed
