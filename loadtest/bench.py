@@ -14,6 +14,13 @@ figures add up to what a request costs the whole machine; at ``cores * 1e6 / tha
 every core is busy, so a result near this bound is CPU-bound, and two targets that are both
 CPU-bound can differ in req/s by at most the ratio of their totals. Writes JSON and a PNG.
 
+``--compare --workers vllm``: the same on a real vLLM PD pair on this CPU (``engine/vllm``, the tiny model; installed
+by ``bash engine/vllm/install.sh``), started once through the supervisor: direct (the load generator does as vLLM's
+toy proxy: the prefill with ``kv_transfer_params``, then the decode), pdgate, and SMG (``smg launch
+--pd-disaggregation``, which relays vLLM's ``kv_transfer_params``); sglang-router does not speak vLLM's PD.
+Workloads ns4, s4 (4 connections: the engines run 8 at most) and ns2rps (2 requests/s). The pair's NIXL progress
+threads keep both cores busy (docs/fidelity.md): every run on it is on a busy machine, and says so.
+
 ``--streams-workload`` (loadtest/streams.py): N long-lived SSE streams at ``--tokens-per-s`` each (default
 10) through direct, pdgate and sglang-router on paced fake engines, for each N of ``--streams``
 (default 250 500 1000 2000): the relay delay each target adds over direct (p50/p99/p99.9), CPU per
@@ -48,7 +55,11 @@ CORES = os.cpu_count() or 1
 # name -> (connections, streaming, rate): closed loops find the most each target serves; the paced ones
 # (open loop, Poisson arrivals, far below every target's capacity) show the latency a gateway adds
 WORKLOADS = {"ns16": (16, False, 0.0), "ns64": (64, False, 0.0), "s64": (64, True, 0.0),
-             "ns200rps": (0, False, 200.0), "s200rps": (0, True, 200.0)}
+             "ns200rps": (0, False, 200.0), "s200rps": (0, True, 200.0),
+             # a real vLLM pair on this CPU (--workers vllm): a few at once, and a rate it serves
+             "ns4": (4, False, 0.0), "s4": (4, True, 0.0), "ns2rps": (0, False, 2.0)}
+VLLM_WORKLOADS = ["ns4", "s4", "ns2rps"]
+VLLM_MODEL = "tiny-llama"
 
 
 def is_paced(workload: str) -> bool:
@@ -97,12 +108,52 @@ def start_targets(stack: Stack, mini_lb: bool, fake: bool = False) -> tuple[dict
     return workers, targets
 
 
+def start_vllm_targets(stack: Stack, tmp: Path) -> tuple[dict[str, Any], dict[str, tuple[str, Proc | None]]]:
+    """A real vLLM pair (through the supervisor, as ``pdgate up`` runs it), pdgate and SMG in front of it."""
+    py = sys.executable
+    pp, dp = free_port(), free_port()
+    cluster = tmp / "cluster.vllm.toml"
+    cluster.write_text(f'[cluster]\nlog_dir = "{tmp}/engines"\nready_timeout_s = 300\n'
+                       f'[[worker]]\nname = "vllm-prefill"\nengine = "vllm"\nrole = "prefill"\nport = {pp}\ncpu = 0\n'
+                       f'side_channel_port = {free_port()}\n'
+                       f'[[worker]]\nname = "vllm-decode"\nengine = "vllm"\nrole = "decode"\nport = {dp}\ncpu = 1\n'
+                       f'side_channel_port = {free_port()}\n')
+    sup = stack.spawn("engines", [py, "-m", "engine.supervisor", "--cluster", str(cluster)])
+    workers: dict[str, Any] = {"prefill": f"http://127.0.0.1:{pp}", "decode": f"http://127.0.0.1:{dp}",
+                               "pids": [sup.pid], "direct": "direct-vllm", "model": VLLM_MODEL}
+    wait_http(workers["prefill"] + "/health", timeout=300, proc=sup.popen)
+    wait_http(workers["decode"] + "/health", timeout=300, proc=sup.popen)
+    targets: dict[str, tuple[str, Proc | None]] = {"direct": ("", None)}
+    gp = free_port()
+    cfg = tmp / "pdgate.toml"
+    cfg.write_text(f'[gateway]\nport = {gp}\nadmin_port = {free_port()}\nstate_dir = "{tmp}/state"\n'
+                   f'[[prefill]]\nurl = "{workers["prefill"]}"\nengine = "vllm"\n'
+                   f'[[decode]]\nurl = "{workers["decode"]}"\nengine = "vllm"\n')
+    g = stack.spawn("pdgate", [py, "-m", "pdgate", "serve", "--config", str(cfg), "--log-level", "WARNING"])
+    targets["pdgate"] = (f"http://127.0.0.1:{gp}", g)
+    smg = Path(sys.executable).with_name("smg")
+    if smg.exists():
+        sp = free_port()
+        r = stack.spawn("smg", [str(smg), "launch", "--host", "127.0.0.1", "--port", str(sp), "--pd-disaggregation",
+                                "--prefill", workers["prefill"], "--decode", workers["decode"],
+                                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                                "--log-level", "warn"])
+        targets["smg"] = (f"http://127.0.0.1:{sp}", r)
+    ping = PING.replace(b"sim-model", VLLM_MODEL.encode())
+    for url, proc in targets.values():  # the first transfer makes NIXL's handshake (up to ~35 s here)
+        if url:
+            wait_http(url + "/v1/chat/completions", timeout=180, proc=proc.popen if proc else None, data=ping)
+    return workers, targets
+
+
 def measure(workers: dict[str, Any], url: str, proc: Proc | None, conc: int, stream: bool, duration: float,
             rate: float = 0, slo: tuple[float, float] = (500.0, 2000.0)) -> dict[str, Any]:
     args = ["--concurrency", str(conc), "--duration", str(duration), "--rate", str(rate), "--slo-ttft-ms", str(slo[0]),
-            "--slo-total-ms", str(slo[1])] + (["--stream"] if stream else [])
+            "--slo-total-ms", str(slo[1]), "--model", workers.get("model", "sim-model")] + (["--stream"] if stream else [])
     if url:
         args += ["--mode", "gateway", "--url", url]
+    elif workers.get("direct") == "direct-vllm":
+        args += ["--mode", "direct-vllm", "--prefill", workers["prefill"], "--decode", workers["decode"]]
     else:
         args += ["--mode", "direct", "--prefill", workers["prefill"], "--bootstrap-port", str(workers["bootstrap_port"]),
                  "--decode", workers["decode"]]
@@ -129,8 +180,15 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
     stack = Stack(tmp)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
     try:
-        workers, targets = start_targets(stack, a.mini_lb, a.workers == "fake")
-        runs = [(w, t, r) for r in range(a.repeats) for w in a.workloads for t in targets]
+        if a.workers == "vllm":
+            workers, targets = start_vllm_targets(stack, tmp)
+            if a.workloads == list(WORKLOADS):
+                a.workloads = VLLM_WORKLOADS
+        else:
+            workers, targets = start_targets(stack, a.mini_lb, a.workers == "fake")
+        # targets alternate within each workload and repeat, so a slow moment of the machine is shared
+        runs = [(w, t, r) for r in range(a.repeats) for w in a.workloads
+                for t in (list(targets) if r % 2 == 0 else list(reversed(targets)))]
         with Progress(console=console) as bar:
             job = bar.add_task("bench", total=len(runs))
             for wl, name, rep in runs:
@@ -146,8 +204,9 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
     out = {"command": " ".join(sys.argv), "workers": a.workers, "duration_s": a.duration, "repeats": a.repeats,
            "slo": {"ttft_ms": a.slo_ttft_ms, "total_ms": a.slo_total_ms}, "logs": str(tmp),
            "results": summary, "raw": results}
-    print_table(console, summary, "PD gateways on the same " + ("zero-cost fake workers" if a.workers == "fake"
-                                                                else "sim workers (speed 0)")
+    print_table(console, summary, "PD gateways on the same " + {"fake": "zero-cost fake workers",
+                                                                 "vllm": "real vLLM PD pair (CPU, busy: docs/fidelity.md)"}
+                .get(a.workers, "sim workers (speed 0)")
                 + f"; goodput: TTFT <= {a.slo_ttft_ms:g} ms and total <= {a.slo_total_ms:g} ms")
     write(out, a.out, lambda _, png: plot(summary, png))
     console.print(f"wrote {a.out} and {Path(a.out).with_suffix('.png')}")
@@ -314,9 +373,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--compare", action="store_true",
                    help="start sim workers and measure direct, pdgate, sglang-router (and --mini-lb) on them")
     p.add_argument("--mini-lb", action="store_true", help="also measure sglang's Python mini_lb")
-    p.add_argument("--workers", choices=("sim", "fake"), default="sim",
-                   help="--compare on engine.sim workers at speed 0 (default) or on zero-cost fake workers "
-                        "(loadtest.fakeworker: the gateways bound throughput)")
+    p.add_argument("--workers", choices=("sim", "fake", "vllm"), default="sim",
+                   help="--compare on engine.sim workers at speed 0 (default), on zero-cost fake workers "
+                        "(loadtest.fakeworker: the gateways bound throughput), or on a real vLLM PD pair (direct, "
+                        "pdgate, SMG)")
     p.add_argument("--duration", type=float, default=10, help="seconds per measurement (--streams-workload: the steady window)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))

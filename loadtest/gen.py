@@ -2,7 +2,9 @@
 
 Modes: ``gateway`` sends one request per op to a gateway; ``direct`` plays the router
 itself and sends both PD legs (with bootstrap fields) straight to a prefill and a decode
-worker, which is what "direct to the engines" means for PD. Prints one JSON object.
+worker, which is what "direct to the engines" means for PD; ``direct-vllm`` does as vLLM's toy proxy
+does for a vLLM pair (the prefill with ``kv_transfer_params`` and one token, then the decode with its answer's
+params). Prints one JSON object.
 
 Goodput: the requests (and their completion tokens) that met the SLO, a first token within ``--slo-ttft-ms``
 and the whole answer within ``--slo-total-ms`` of its start (an open loop: of its scheduled arrival), per second,
@@ -25,8 +27,8 @@ import orjson
 import uvloop
 
 
-def body(stream: bool, max_tokens: int) -> dict[str, Any]:
-    return {"model": "sim-model", "messages": [{"role": "user", "content": "say hi"}], "max_tokens": max_tokens,
+def body(stream: bool, max_tokens: int, model: str = "sim-model") -> dict[str, Any]:
+    return {"model": model, "messages": [{"role": "user", "content": "say hi"}], "max_tokens": max_tokens,
             "stream": stream}
 
 
@@ -36,12 +38,13 @@ TPOT: list[float] = []  # per request: (last chunk - first chunk) / (events - 1)
 USAGE = b'"completion_tokens":'
 
 
-async def one_gateway(s: aiohttp.ClientSession, url: str, data: bytes, stream: bool) -> tuple[bool, float, int]:
+async def one_gateway(s: aiohttp.ClientSession, url: str, data: bytes, stream: bool,
+                      headers: dict[str, str] | None = None) -> tuple[bool, float, int]:
     """Whether it answered 200, its time to first token, and its completion tokens."""
     t0 = time.perf_counter()
     ttft = 0.0
     tokens = 0
-    async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+    async with s.post(url, data=data, headers=headers or {"Content-Type": "application/json"}) as r:
         if stream:
             events, last = 0, 0.0
             async for chunk in r.content.iter_any():
@@ -78,8 +81,31 @@ async def one_direct(s: aiohttp.ClientSession, a: argparse.Namespace, b: dict[st
     return (await p) and ok, ttft, tokens
 
 
+VLLM_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+async def one_direct_vllm(s: aiohttp.ClientSession, a: argparse.Namespace, b: dict[str, Any],
+                          stream: bool) -> tuple[bool, float, int]:
+    """vLLM's toy proxy: the prefill (one token, not streamed, asking for a remote decode), then the decode with the
+    prefill answer's ``kv_transfer_params``; the time to first token counts from the prefill's start."""
+    rid = f"gen-{random.getrandbits(64):016x}"
+    headers = {"Content-Type": "application/json", "X-Request-Id": rid}
+    t0 = time.perf_counter()
+    async with s.post(a.prefill + "/v1/chat/completions", headers=headers, data=orjson.dumps(
+            {**b, "max_tokens": 1, "stream": False, "kv_transfer_params": VLLM_PREFILL})) as r:
+        answer = await r.read()
+        if r.status != 200:
+            return False, 0.0, 0
+    params = orjson.loads(answer).get("kv_transfer_params")
+    took = time.perf_counter() - t0
+    ok, ttft, tokens = await one_gateway(s, a.decode + "/v1/chat/completions", orjson.dumps(
+        {**b, "kv_transfer_params": params}), stream, {"X-Request-Id": rid})
+    return ok, took + ttft, tokens
+
+
 async def run(a: argparse.Namespace) -> dict[str, Any]:
-    b = body(a.stream, a.max_tokens)
+    b = body(a.stream, a.max_tokens, a.model)
     data = orjson.dumps(b)
     lat: list[float] = []
     ttfts: list[float] = []
@@ -95,9 +121,11 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             try:
                 if a.mode == "direct":
                     ok, ttft, n = await one_direct(s, a, b, a.stream)
+                elif a.mode == "direct-vllm":
+                    ok, ttft, n = await one_direct_vllm(s, a, b, a.stream)
                 else:
                     ok, ttft, n = await one_gateway(s, a.url + "/v1/chat/completions", data, a.stream)
-            except (aiohttp.ClientError, TimeoutError):
+            except (aiohttp.ClientError, TimeoutError, ValueError):  # ValueError: an answer that is not JSON
                 ok, ttft, n = False, 0.0, 0
             if t0 < warm_end:
                 return
@@ -157,7 +185,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m loadtest.gen")
-    p.add_argument("--mode", choices=("gateway", "direct"), default="gateway")
+    p.add_argument("--mode", choices=("gateway", "direct", "direct-vllm"), default="gateway")
+    p.add_argument("--model", default="sim-model")
     p.add_argument("--url", default="")
     p.add_argument("--prefill", default="")
     p.add_argument("--bootstrap-port", type=int, default=8998)

@@ -286,6 +286,38 @@ async def test_a_frozen_prefill_is_a_504_within_the_ttft_budget_and_leaves_nothi
     await clean(pair)
 
 
+async def run_loadtest(*args: str, timeout: float) -> tuple[int, str]:
+    import sys
+
+    from tests.procs import ROOT
+
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "loadtest", *args, cwd=ROOT,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    return proc.returncode or 0, out.decode(errors="replace")
+
+
+async def test_the_storm_and_the_agents_verdicts_on_the_real_pair(pair: Pair, gw: Running, tmp_path: Any) -> None:
+    """The seed's storm (4 x 3 requests cancelled at random points, or let finish) through pdgate: every client
+    request terminal, the prefill's held requests back to 0 within grace, both probes fine — PASS. Then ``loadtest
+    agents``: 4 sessions x 3 rounds, each round's context grown, every round in its deadline — PASS."""
+    import json
+
+    storm = tmp_path / "storm.json"
+    rc, out = await run_loadtest("storm", "--gateway", gw.url, "--admin", gw.admin, "--model", pair.model,
+                                 "--iterations", "4", "--instances", "3", "--watchdog", "10", "--grace", "10",
+                                 "--window", "20", "--request-timeout", "60", "--out", str(storm), timeout=200)
+    report = json.loads(storm.read_text())
+    assert rc == 0 and report["verdict"] == "PASS", out[-3000:]
+    agents = tmp_path / "agents.json"
+    rc, out = await run_loadtest("agents", "--gateway", gw.url, "--model", pair.model, "--sessions", "4",
+                                 "--rounds", "3", "--growth", "60", "--deadline", "30", "--max-tokens", "8",
+                                 "--no-tools", "--think-ms", "0", "--out", str(agents), timeout=200)
+    report = json.loads(agents.read_text())
+    assert rc == 0 and report["verdict"] == "PASS", out[-3000:]
+    await clean(pair)
+
+
 async def test_a_decode_killed_mid_stream_ends_it_and_its_restart_is_found(pair: Pair) -> None:
     """SIGKILL of the decode (its whole process group) mid-stream: the client gets an error event and [DONE] at once;
     the decode started again is a new identity (restarts + 1) and serves; nothing held afterwards. Last in the tier:
