@@ -161,28 +161,30 @@ async def test_a_1ms_ttft_budget_is_a_504_and_both_engines_end_clean(pair: Pair,
 @pytest.mark.parametrize("budget", ["total", "idle"])
 async def test_a_deadline_mid_stream_ends_it_with_an_error_event_and_frees_both_legs(
         pair: Pair, gw: Running, budget: str) -> None:
-    """A long stream cut by its total budget (0.5 s), or by its idle budget (1 s) while the decode is frozen
-    (SIGSTOP): one error event naming the budget, then [DONE], on time; after the decode runs again neither engine
-    holds it."""
-    headers = {"x-pdgate-timeout": "0.5"} if budget == "total" else {"x-pdgate-idle-timeout": "1"}
-    async with aiohttp.ClientSession() as http:
-        t0 = time.monotonic()  # the total budget counts from here, the idle one from the decode's freeze
-        events: list[bytes] = []
-        async with http.post(gw.url + "/v1/chat/completions", headers=headers, json={
-                "model": pair.model, "messages": MSG, "max_tokens": 1000, "stream": True, "ignore_eos": True}) as r:
-            assert r.status == 200
-            async for line in r.content:
-                if line.startswith(b"data:"):
-                    events.append(line)
-                    if budget == "idle" and len(events) == 2:
-                        pair.decode.signal(signal.SIGSTOP)
-                        t0 = time.monotonic()
-        took = time.monotonic() - t0
-    if budget == "idle":
+    """A long stream whose decode is frozen (SIGSTOP) after its first events, cut by its total budget (4 s from its
+    start) or by its idle budget (1 s from the freeze): one error event naming the budget, then [DONE], on time;
+    after the decode runs again neither engine holds it."""
+    headers = {"x-pdgate-timeout": "4"} if budget == "total" else {"x-pdgate-idle-timeout": "1"}
+    try:
+        async with aiohttp.ClientSession() as http:
+            t0 = time.monotonic()  # the total budget counts from here, the idle one from the decode's freeze
+            events: list[bytes] = []
+            async with http.post(gw.url + "/v1/chat/completions", headers=headers, json={
+                    "model": pair.model, "messages": MSG, "max_tokens": 1000, "stream": True, "ignore_eos": True}) as r:
+                assert r.status == 200
+                async for line in r.content:
+                    if line.startswith(b"data:"):
+                        events.append(line)
+                        if len(events) == 2:
+                            pair.decode.signal(signal.SIGSTOP)
+                            if budget == "idle":
+                                t0 = time.monotonic()
+            took = time.monotonic() - t0
+    finally:
         pair.decode.signal(signal.SIGCONT)
     assert events[-1].strip() == b"data: [DONE]" and b'"error"' in events[-2], events[-3:]
     assert budget.encode() in events[-2], events[-2]
-    assert took < (0.5 if budget == "total" else 1.0) + 1.5, took
+    assert took < (4.0 if budget == "total" else 1.0) + 1.5, took
     await clean(pair)
 
 
@@ -306,8 +308,8 @@ async def test_the_storm_and_the_agents_verdicts_on_the_real_pair(pair: Pair, gw
 
     storm = tmp_path / "storm.json"
     rc, out = await run_loadtest("storm", "--gateway", gw.url, "--admin", gw.admin, "--model", pair.model,
-                                 "--iterations", "4", "--instances", "3", "--watchdog", "10", "--grace", "10",
-                                 "--window", "20", "--request-timeout", "60", "--out", str(storm), timeout=200)
+                                 "--iterations", "4", "--instances", "3", "--watchdog", "5", "--grace", "5",
+                                 "--window", "30", "--request-timeout", "60", "--out", str(storm), timeout=200)
     report = json.loads(storm.read_text())
     assert rc == 0 and report["verdict"] == "PASS", out[-3000:]
     agents = tmp_path / "agents.json"
