@@ -246,7 +246,8 @@ def print_table(console: Console, summary: dict[str, dict[str, dict[str, Any]]],
         for name, m in by.items():
             added = f"{m['p50_added_ms']:+.1f}" if "p50_added_ms" in m and name != "direct" else "-"
             rows.append([name, wl, f"{m['rps']:.0f}", f"{m.get('goodput_rps', 0):.0f}", f"{m.get('tokens_s', 0):.0f}",
-                      f"{m.get('goodput_tokens_s', 0):.0f}", f"{m['rps_vs_direct']:.2f}", f"{m['p50_ms']:.1f}",
+                      f"{m.get('goodput_tokens_s', 0):.0f}",
+                      "-" if m.get("rps_vs_direct") is None else f"{m['rps_vs_direct']:.2f}", f"{m['p50_ms']:.1f}",
                       f"{m['p99_ms']:.1f}",
                       added, f"{m['ttft_p50_ms']:.1f}",
                       str(m.get("target_cpu_us_per_req", "-")), str(m.get("workers_cpu_us_per_req", "-")),

@@ -100,7 +100,7 @@ async def one_direct_vllm(s: aiohttp.ClientSession, a: argparse.Namespace, b: di
     params = orjson.loads(answer).get("kv_transfer_params")
     took = time.perf_counter() - t0
     ok, ttft, tokens = await one_gateway(s, a.decode + "/v1/chat/completions", orjson.dumps(
-        {**b, "kv_transfer_params": params}), stream, {"X-Request-Id": rid})
+        {**b, "kv_transfer_params": params}), stream, headers)
     return ok, took + ttft, tokens
 
 

@@ -239,6 +239,7 @@ class Attempts:
         self.gate.give_back((w.id,))
         self.gate.free(counted=False)  # its slot may go to a queued request
         rec = ctx.rec
+        self.gate.prefill_answered(w, rec, now)
         if not rec.stream and w.engine.prefill_answer_is_first_token and first_token(rec, now, self.obs.transitions):
             ctx.watchdog.rearm()  # non-streaming: the prefill computed the first token
         return body if keep else b""  # kept (in the task) for the life of the request only if needed

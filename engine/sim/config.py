@@ -55,6 +55,7 @@ FAULTS: dict[str, Any] = {
     "segment_seed": int,
     "split_stall": _seconds,  # every write: its first half, this long a pause, then the rest (stuck mid-event)
     "done_stall": _seconds,  # decode: a stream's end (the last chunk) this long after its [DONE]
+    "slow_kv_read": _seconds,  # --protocol vllm, decode: each KV read takes up to this long, uniformly (real NIXL on a busy CPU: 0.03-11.7 s)
     "kv_wait_forever": _flag,  # --protocol vllm, decode: its KV never comes (WAITING_FOR_REMOTE_KVS, no timeout)
     "ignore_disconnect": _flag,  # --protocol vllm: a client that leaves does not abort its request
 }

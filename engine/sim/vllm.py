@@ -23,7 +23,8 @@
 - Impolite as the SGLang sims: fault ``segment`` cuts and merges writes, idle keep-alive connections close after
   5 s (uvicorn's default, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``); faults ``kv_wait_forever`` (a decode whose KV never
   comes), ``ignore_disconnect`` (an engine that does not notice its client left: only an abort by id, where it
-  has one, ends the work; what reconciliation by counts is for), ``decode_stall`` (its tokens stop),
+  has one, ends the work; what reconciliation by counts is for), ``decode_stall`` (its tokens stop), ``slow_kv_read`` (each KV read takes
+  up to that long, uniformly at random: real NIXL on a busy CPU, docs/fidelity.md),
   ``http_500_rate``, ``slow_prefill``.
 """
 
@@ -175,6 +176,8 @@ class VllmSim:
             try:
                 if self.cfg.faults.kv_wait_forever:
                     await asyncio.Event().wait()  # no timeout of its own: only its client leaving ends it
+                if self.cfg.faults.slow_kv_read:  # transfers that stall at random, as NIXL on a busy CPU does
+                    await asyncio.sleep(random.uniform(0.0, self.cfg.faults.slow_kv_read))
                 if not await self.read_kv(kv):
                     await asyncio.sleep(self.cfg.timing.prefill_s(req.prompt_tokens))  # gone: computed here
             finally:
