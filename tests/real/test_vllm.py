@@ -142,8 +142,7 @@ async def test_tool_calls_are_accepted_and_the_agents_sdk_runs_a_turn(pair: Pair
 
 async def test_a_1ms_ttft_budget_is_a_504_and_both_engines_end_clean(pair: Pair, gw: Running) -> None:
     """TTFT budget 1 ms: a 504 naming it, at once; neither engine holds the request within seconds. The prefill's KV
-    kept for a decode that never read it is freed by vLLM's own lease (30 s; counted as expired) — pdgate cannot free
-    it sooner: the prefill's request has finished, an abort by id finds nothing (docs/fidelity.md)."""
+    kept for a decode that never read it is freed by vLLM's own lease (30 s; counted as expired; docs/fidelity.md)."""
     async with aiohttp.ClientSession() as http:
         t0 = time.monotonic()
         async with http.post(gw.url + "/v1/chat/completions", json={"model": pair.model, "messages": MSG,
