@@ -6,7 +6,6 @@ everything. Runs before the tier's shared pair starts (its ports are the cluster
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.procs import ROOT, Procs, free_port, wait_http
-from tests.real.conftest import START_S, installed
+from tests.real.conftest import START_S, require_installed
 from tests.test_up import cli, post
 
 pytestmark = pytest.mark.timeout(420)
@@ -32,10 +31,7 @@ def held(url: str) -> float:
 
 
 def test_pdgate_up_with_real_vllm(procs: Procs, tmp_path: Path) -> None:
-    if (missing := installed()) is not None:
-        if os.environ.get("CI"):
-            pytest.fail(missing)
-        pytest.skip(missing)
+    require_installed()
     port, admin = free_port(), free_port()
     key_file = tmp_path / "admin.key"
     up = procs.spawn([sys.executable, "-m", "pdgate", "up", "--cluster", str(CLUSTER), "--port", str(port),
