@@ -14,6 +14,7 @@ one that finds the queue full. When a slot frees, the next request in order gets
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import math
 import time
 from collections.abc import Callable
@@ -63,7 +64,36 @@ class Admission:
             if not isinstance(body, dict):
                 raise InvalidJSON("request body must be a JSON object")
         model, stream = validation.validate(route, body)
+        asked = model
+        model = self.model_for(model, tenant)
+        if model != asked:
+            body["model"] = model
+        now = self.clock()
+        cfg = self.cfg
+        dl = deadlines.resolve(now, request.headers, body.pop("timeout", None), cfg.models.get(model or ""),
+                               tenant.deadlines if tenant is not None else cfg.deadlines)
+        rec = Record(id=self.ids.new(), route=shown or route, model=model, stream=stream, created=now, created_wall=time.time(),
+                     deadlines=dl, client_request_id=request.headers.get("x-request-id"), body_bytes=len(raw))
+        rec.priority = priority(request, tenant)
+        if model != asked:
+            rec.note(f"model {asked!r} is an alias of {model!r}")
+        ask = None
+        if tenant is not None:
+            rec.tenant = tenant.name
+            if tenant.limited:
+                ask = self.claim(tenant, rec, route, body, len(raw) // 4)
+        return rec, body, ask
+
+    def model_for(self, model: str | None, tenant: Tenant | None) -> str | None:
+        """The served model a request names: itself, or what its alias is served by (``[models."claude-*"]
+        served_by``: the first pattern that matches, in the config's order, when the name is not served itself);
+        a name not served, or one the key may not use, is a 404 naming those it may."""
         known = self.pool.models()
+        if model is not None and known and model not in known:
+            for pattern, b in self.cfg.models.items():
+                if b.served_by is not None and fnmatch.fnmatchcase(model, pattern):
+                    model = b.served_by
+                    break
         if tenant is not None and not tenant.allows(model, known):
             # as OpenAI answers: a model this key may not use looks like one that does not exist
             allowed = ", ".join(sorted(tenant.models & known)) or "none"
@@ -72,19 +102,7 @@ class Admission:
         if model is not None and known and model not in known:
             offered = sorted(known if tenant is None or not tenant.models else tenant.models & known)
             raise ModelNotFound(f"model '{model}' is not served here; available: {', '.join(offered)}")
-        now = self.clock()
-        cfg = self.cfg
-        dl = deadlines.resolve(now, request.headers, body.pop("timeout", None), cfg.models.get(model or ""),
-                               tenant.deadlines if tenant is not None else cfg.deadlines)
-        rec = Record(id=self.ids.new(), route=shown or route, model=model, stream=stream, created=now, created_wall=time.time(),
-                     deadlines=dl, client_request_id=request.headers.get("x-request-id"), body_bytes=len(raw))
-        rec.priority = priority(request, tenant)
-        ask = None
-        if tenant is not None:
-            rec.tenant = tenant.name
-            if tenant.limited:
-                ask = self.claim(tenant, rec, route, body, len(raw) // 4)
-        return rec, body, ask
+        return model
 
     def claim(self, tenant: Tenant, rec: Record, route: str, body: dict[str, Any], prompt: int) -> TenantAsk:
         """What the request may use, charged in full when it is dispatched against what the key has left (a burst

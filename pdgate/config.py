@@ -74,11 +74,13 @@ def did_you_mean(word: str, known: Any) -> str:
 
 @dataclass(frozen=True)
 class Budgets:
-    """Deadline budgets in seconds; None means 'inherit'."""
+    """A model's settings (``[models."name"]``): deadline budgets in seconds (None: inherit), and ``served_by``:
+    the name is an alias, asked by clients, of that served model (the name may be a pattern: ``"claude-*"``)."""
 
     total_s: float | None = None
     ttft_s: float | None = None
     idle_s: float | None = None
+    served_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -192,6 +194,15 @@ class OtelConfig:
 
 
 @dataclass(frozen=True)
+class MessagesConfig:
+    """``/v1/messages`` (Anthropic's Messages API)."""
+
+    # the per-request nonce (cch=...) in Claude Code's first system line is dropped, so that a session's rounds
+    # share their prefix in the engines' caches (BENCHMARKS.md: the cached share with it on and off)
+    normalise_billing: bool = True
+
+
+@dataclass(frozen=True)
 class ResponsesConfig:
     """Stored responses of ``/v1/responses`` (``store`` true, the default): what ``previous_response_id`` and
     ``GET /v1/responses/{id}`` read, per tenant, in the store (embedded: this process's memory; Redis: shared)."""
@@ -278,6 +289,7 @@ class GatewayConfig:
     otel: OtelConfig = field(default_factory=OtelConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
+    messages: MessagesConfig = field(default_factory=MessagesConfig)
     prefill: tuple[WorkerSpec, ...] = ()
     decode: tuple[WorkerSpec, ...] = ()
 
@@ -356,9 +368,13 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
             if getattr(d, f"{name}_s") > getattr(d, f"max_{name}_s"):
                 raise ConfigError(f"deadlines.{name}_s", getattr(d, f"{name}_s"), f"exceeds deadlines.max_{name}_s")
     for model, b in cfg.models.items():
+        if b.served_by is not None and (not isinstance(b.served_by, str) or not b.served_by
+                                        or any(c in b.served_by for c in "*?[")):
+            with errs:
+                raise ConfigError(f"models.{model}.served_by", b.served_by, "must name one served model")
         for f in dataclasses.fields(b):
             v = getattr(b, f.name)
-            if v is not None:
+            if v is not None and f.name != "served_by":
                 with errs:
                     _positive(f"models.{model}.{f.name}", v)
     for f in dataclasses.fields(cfg.health):
@@ -600,7 +616,8 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
     sections: dict[str, Any] = {}
     for name, cls in (("deadlines", DeadlineConfig), ("health", HealthConfig), ("breaker", BreakerConfig),
                       ("reconcile", ReconcileConfig), ("admission", AdmissionConfig), ("routing", RoutingConfig),
-                      ("otel", OtelConfig), ("store", StoreConfig), ("responses", ResponsesConfig)):
+                      ("otel", OtelConfig), ("store", StoreConfig), ("responses", ResponsesConfig),
+                      ("messages", MessagesConfig)):
         raw = data.pop(name, {})
         sections[name] = cls()  # a section with errors is checked no further (its defaults stand in for it)
         with errs:
@@ -641,7 +658,7 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
 
 
 SECTIONS = ("gateway", "deadlines", "health", "breaker", "reconcile", "admission", "routing", "otel", "store", "responses",
-            "models",
+            "messages", "models",
             "prefill", "decode", "keys", "admin_keys")
 
 

@@ -22,6 +22,7 @@ from pdgate.config import AdmissionConfig, ConfigError, GatewayConfig, policy_na
 from pdgate.engines.kinds import Engines, Factory
 from pdgate.health import Health
 from pdgate.limits import LimitRules
+from pdgate.messages_api import MessagesRoute
 from pdgate.metrics import Metrics, policy_families, worker_families
 from pdgate.observe import Observers
 from pdgate.outcome import Outcomes
@@ -87,6 +88,7 @@ class Gateway:
                                  Outcomes(self.obs, self.store, self.clock), self.obs, cfg.routing.session_header,
                                  self.clock)
         self.responses = ResponsesRoute(self.pipeline, self.store, cfg.responses, self.clock)
+        self.messages = MessagesRoute(self.pipeline, self.pool, cfg.messages.normalise_billing, self.clock)
         self.live = self.pipeline.live
         self.metrics.queue_depth = lambda: self.gate.queue.n
         self.metrics.models = self.pool.models

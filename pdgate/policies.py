@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import json
 import random
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +50,39 @@ class Candidate(Protocol):
 W = TypeVar("W", bound=Candidate)
 
 MAX_SESSION_CHARS = 64  # a longer session key is kept as its hash (the map's memory stays bounded per entry)
+
+
+SESSION_ID = re.compile(r"_session_([0-9A-Za-z-]{1,64})$")
+
+
+def user_id_session(meta: Any) -> str | None:
+    """The session in Anthropic's ``metadata.user_id``: Claude Code sends JSON with a ``session_id`` (earlier
+    versions ``user_<hash>_account_<uuid>_session_<uuid>``); another client's user id stands for its session."""
+    uid = meta.get("user_id") if isinstance(meta, dict) else None
+    if not isinstance(uid, str) or not uid:
+        return None
+    if uid.startswith("{"):
+        try:
+            obj = json.loads(uid[:4096])
+        except ValueError:
+            obj = None
+        sid = obj.get("session_id") if isinstance(obj, dict) else None
+        if isinstance(sid, str) and sid:
+            return sid
+    m = SESSION_ID.search(uid)
+    return m.group(1) if m else uid
+
+
+def client_session(headers: Any, body: dict[str, Any], header: str) -> str | None:
+    """The session a client names, by one precedence (README "Sessions"): Claude Code's
+    ``X-Claude-Code-Session-Id``, the session in ``metadata.user_id``, Codex's ``session-id`` header, a Responses
+    ``prompt_cache_key``, the configured header (``routing.session_header``, default ``x-session-id``). Not here,
+    and after these: a Responses chain's session, then OpenAI's ``user`` (``Pipeline.handle``)."""
+    for raw in (headers.get("x-claude-code-session-id"), user_id_session(body.get("metadata")),
+                headers.get("session-id"), body.get("prompt_cache_key"), headers.get(header)):
+        if isinstance(raw, str) and raw:
+            return raw
+    return None
 
 
 def session_key(tenant: str | None, header: str | None, body: dict[str, Any]) -> str | None:

@@ -24,7 +24,7 @@ from pdgate.context import Ctx, Front
 from pdgate.errors import GatewayError
 from pdgate.observe import Observers
 from pdgate.outcome import Outcomes
-from pdgate.policies import RequestView, session_key
+from pdgate.policies import RequestView, client_session, session_key
 from pdgate.scope import Cancelled, Cause, Reason
 
 CLIENT_GONE = Reason(Cause.CLIENT_GONE)
@@ -41,15 +41,19 @@ class Pipeline:
         self.live: dict[str, Ctx] = {}  # live request id -> its context (and cancel scope)
 
     def handle(self, request: Request, route: str, body: dict[str, Any] | None = None, shown: str | None = None,
-               front: Front | None = None, session: str | None = None) -> Awaitable[Response | Stream]:
+               front: Front | None = None, session: str | None = None,
+               asked: dict[str, Any] | None = None) -> Awaitable[Response | Stream]:
         """Admit the request (a refusal raises here) and return its life to be awaited (no frame of its own). A
-        route that speaks another protocol to the client (``/v1/responses``) gives the engines' ``body``, its own
-        path (``shown``), its ``front`` and the session it continues."""
+        route that speaks another protocol to the client (``/v1/responses``, ``/v1/messages``) gives the engines'
+        ``body``, its own path (``shown``), its ``front``, the session it continues and the client's own body
+        (``asked``: where the client names its session)."""
         tenant = request.state if isinstance(request.state, Tenant) else None
         rec, body, ask = self.admission.admit(request, route, tenant, body, shown)
         if front is not None:
             front.start(rec)
-        key = (session_key(rec.tenant, request.headers.get(self.session_header), body) or session
+        client = asked if asked is not None else body
+        named = client_session(request.headers, client, self.session_header)
+        key = (session_key(rec.tenant, named, {}) or session or session_key(rec.tenant, None, client)
                or (front.session_for(rec) if front is not None else None))
         rec.session = key
         view = RequestView(route, rec.model, body, key)

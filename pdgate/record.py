@@ -150,10 +150,18 @@ class Record:
     prompt_estimate: int = 0  # of it, for the prompt (settled with what the engine reports it read)
     cached_tokens: int | None = None  # of the prompt, found in the prefill's cache (as the engine reports it)
     session: str | None = None  # its session key (per tenant), as the routing policies saw it
+    notes: list[str] | None = None  # what the gateway changed of the client's request (a model alias, tools left out)
 
     def __post_init__(self) -> None:
         self.phase_since = self.created
         self.history.append((self.created, self.phase.value))
+
+    def note(self, text: str) -> None:
+        """Say in its trace what the gateway changed of the client's request."""
+        if self.notes is None:
+            self.notes = []
+        if len(self.notes) < 8:
+            self.notes.append(text)
 
     @property
     def attempt(self) -> Attempt | None:

@@ -93,7 +93,7 @@ class ResponsesRoute:
         chat, turn = responses.to_chat(body, history)
         stream = chat.get("stream") is True
         front = Front(body)
-        life = self.pipeline.handle(request, CHAT, chat, responses.RESPONSES, front, session)
+        life = self.pipeline.handle(request, CHAT, chat, responses.RESPONSES, front, session, asked=body)
         rec = front.rec
         assert rec is not None
         rid = front.resp["id"]

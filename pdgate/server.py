@@ -32,7 +32,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from h1lite.errors import HTTPError
 from h1lite.server import Request, Response, Router, Server, Stream, json_response
-from pdgate import access_log, admin, dashboard, multi, peers, validation
+from pdgate import access_log, admin, anthropic, dashboard, multi, peers, validation
 from pdgate.auth import Admin, Tenant, bearer
 from pdgate.config import ConfigError, GatewayConfig, is_loopback
 from pdgate.control import Control, WorkerSupervisor, reachable_url
@@ -100,12 +100,28 @@ def refused(app: App) -> Callable[[Request, HTTPError], None]:
     fmt = app.cfg.log_format
 
     def log_refusal(request: Request, exc: HTTPError) -> None:
-        if (request.path in GENERATION or request.path == RESPONSES) and access_log.enabled():
+        if (request.path in GENERATION or request.path in (RESPONSES, anthropic.MESSAGES)) and access_log.enabled():
             tenant = request.state.name if isinstance(request.state, Tenant) else None
             access_log.emit(access_log.refused_fields(request.path, exc.status, exc.code, tenant,
                                                       time.monotonic() - request.started), fmt)
 
     return log_refusal
+
+
+def anthropic_errors(nxt: Dispatch) -> Dispatch:
+    """Anthropic's clients read errors in Anthropic's shape: every refusal under ``/v1/messages`` (a missing key, an
+    unknown path, a bad body) is rendered so (``anthropic.Error``)."""
+    async def run(request: Request) -> Response | Stream:
+        if not request.path.startswith(anthropic.MESSAGES):
+            return await nxt(request)
+        try:
+            return await nxt(request)
+        except anthropic.Error:
+            raise
+        except HTTPError as exc:
+            raise anthropic.Error(exc) from None
+
+    return run
 
 
 def client_keys(app: App) -> Middleware:
@@ -119,12 +135,12 @@ def client_keys(app: App) -> Middleware:
             path = request.path
             if path in PROBES or path in operator or path.startswith("/v1/workers/"):
                 return await nxt(request)  # probes are open; operator paths refuse any key themselves
-            token = bearer(request.headers)
+            token = bearer(request.headers) or request.headers.get("x-api-key")  # Anthropic's clients: x-api-key
             tenant = keys.lookup(token) if token is not None else None
             if tenant is None:
                 metrics.reject("unknown", "unauthenticated")
-                raise Unauthorized("no API key given: send Authorization: Bearer <key>" if token is None else
-                                   "invalid API key")  # the key itself is never echoed
+                raise Unauthorized("no API key given: send Authorization: Bearer <key> (or x-api-key: <key>)"
+                                   if token is None else "invalid API key")  # the key itself is never echoed
             request.state = tenant  # a generation request's limits are taken with its pair (Gate.pair_for)
             if path.startswith("/v1/requests") and tenant.key.requests_per_min:  # reading its requests costs engine
                 grant = await store.acquire(tenant.ask(hold=False), (), clock())  # calls too: counted
@@ -214,6 +230,8 @@ class App:
         front.add("POST", RESPONSES, self.gw.responses.create)
         front.add("GET", RESPONSES + "/{id}", self.gw.responses.get)
         front.add("DELETE", RESPONSES + "/{id}", self.gw.responses.delete)
+        front.add("POST", anthropic.MESSAGES, self.gw.messages.create)
+        front.add("POST", anthropic.COUNT_TOKENS, self.gw.messages.count_tokens)
 
         def on(plane: str, method: str, path: str, handler: Any) -> peers.Handler:
             return peers.fanned(self.peers, plane, method, path, functools.partial(handler, ctl))
@@ -237,7 +255,7 @@ class App:
         else:
             front.add("GET", "/metrics", functools.partial(operator_only, ctl))
             self.operator_paths.add("/metrics")
-        dispatch = chain(front.dispatch, client_keys(self)) if self.gw.tenants is not None else front.dispatch
+        dispatch = chain(front.dispatch, anthropic_errors, *((client_keys(self),) if self.gw.tenants is not None else ()))
         on_error = refused(self) if cfg.access_log else None
         self.server = Server(dispatch, cfg.max_body_bytes, cfg.keepalive_s, cfg.head_timeout_s, cfg.body_timeout_s,
                              on_error)

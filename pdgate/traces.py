@@ -121,6 +121,7 @@ def full(rec: Record, now: float, engine: dict[str, Any] | None = None) -> dict[
         "status": rec.status,
         "reason": rec.reason,
         "cause": rec.cause,
+        "notes": rec.notes or [],
         "ended_phase": phase_label(rec.ended_phase) if rec.ended_phase else None,
         "budgets_s": {"total": d.total_s, "ttft": d.ttft_s, "idle": d.idle_s},
         "phases": [{"t": _rel(t, base), "phase": "prefill+transfer" if p == "prefill" else p} for t, p in rec.history],

@@ -35,10 +35,10 @@ def test_engine_imports_only_pdgate_protocol(module: str) -> None:
 # not listed fails the test: give it its place. The request path runs context -> relay -> aborts -> admission ->
 # attempt -> outcome -> proxy; the gateway assembles it; the planes (control, admin, server) sit on top.
 LAYERS = """
-errors protocol record rid scope queueing limits views config validation policies responses store.base auth store.embedded store.redis
+errors protocol record rid scope queueing limits views config validation policies responses anthropic store.base auth store.embedded store.redis
 store.kinds store deadlines metrics access_log otel traces
 upstream lineage engines.base engines engines.sglang engines.vllm engines.kinds workers routing
-context observe relay aborts admission attempt outcome proxy responses_api
+context observe relay aborts admission attempt outcome proxy responses_api messages_api
 health reconcile gateway multi control dashboard admin peers server up cli __main__ __init__
 """.split()
 

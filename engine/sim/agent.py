@@ -5,11 +5,13 @@ Tool calls (``tools`` on /v1/chat/completions):
 - ``{"type": "function", "function": {"name": X}}``: a call of X.
 - ``"required"``: a call of the tool named in the last user message, else of the first tool.
 - ``"auto"`` (the default): a call when the last message is the user's (of the tool it names, else the first
-  tool); after a ``tool`` message (the result came back) or anything else, a text answer. So an agent loop
-  goes: user asks -> tool call -> tool result -> answer -> user asks again ...
+  tool; system messages after it do not count); after a ``tool`` message (the result came back) or anything
+  else, a text answer. So an agent loop goes: user asks -> tool call -> tool result -> answer -> user asks again ...
 - The arguments are a JSON object made from the function's ``parameters`` schema (``value_for``): every
   property, a string's ``enum[0]`` or a word, numbers within ``minimum``/``maximum``, booleans true, one item
-  per array. Streamed as OpenAI does: the first delta names the call, later ones carry argument pieces,
+  per array. A string property named as a command or a path (``FILLED``) takes the first `backticked` text of
+  the user's last message, if it has one: "run `ls` with Bash" calls Bash with ``{"command": "ls", ...}``, so an
+  agent's tool round trip does something real. Streamed as OpenAI does: the first delta names the call, later ones carry argument pieces,
   ``finish_reason`` is ``tool_calls`` (``length`` if ``max_tokens`` cut the arguments short).
 
 JSON (``response_format``): ``json_object`` gives ``{"answer": "<words>"}``, always valid (the words shrink to
@@ -22,6 +24,7 @@ emits the first, the decode the rest, as for any output.
 from __future__ import annotations
 
 import random
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Any
@@ -51,8 +54,13 @@ def _pieces(text: str) -> tuple[str, ...]:
     return tuple(text[i:i + PIECE] for i in range(0, len(text), PIECE)) or ("",)
 
 
-def value_for(schema: Any, rng: random.Random, depth: int = 0) -> Any:
-    """A value that fits a JSON schema (the common keywords; anything else is answered with a word)."""
+FILLED = frozenset(("cmd", "command", "file_path", "path", "input"))  # string properties a `snippet` fills
+TICKED = re.compile(r"`([^`\n]{1,400})`")
+
+
+def value_for(schema: Any, rng: random.Random, depth: int = 0, fill: str | None = None) -> Any:
+    """A value that fits a JSON schema (the common keywords; anything else is answered with a word); ``fill``:
+    the value of a string property named in ``FILLED``."""
     if not isinstance(schema, dict) or depth > MAX_DEPTH:
         return None
     if isinstance(schema.get("enum"), list) and schema["enum"]:
@@ -67,7 +75,8 @@ def value_for(schema: Any, rng: random.Random, depth: int = 0) -> Any:
         kind = next((k for k in kind if k != "null"), "null")
     if kind == "object" or (kind is None and isinstance(schema.get("properties"), dict)):
         props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        return {str(k): value_for(v, rng, depth + 1) for k, v in list(props.items())[:32]}
+        return {str(k): fill if fill is not None and k in FILLED and isinstance(v, dict) and v.get("type") == "string"
+                else value_for(v, rng, depth + 1) for k, v in list(props.items())[:32]}
     if kind == "array":
         return [value_for(schema.get("items"), rng, depth + 1)]
     if kind == "integer":
@@ -111,8 +120,8 @@ def script_for(body: dict[str, Any], prompt: str, max_tokens: int) -> Script | N
     if tools not in (None, []):
         tools = _check_tools(tools)
         choice = body.get("tool_choice") or "auto"
-        msgs = body.get("messages") or [{}]
-        last = msgs[-1] if isinstance(msgs[-1], dict) else {}
+        msgs = [m for m in body.get("messages") or () if not (isinstance(m, dict) and m.get("role") == "system")]
+        last = msgs[-1] if msgs and isinstance(msgs[-1], dict) else {}
         last_user = next((str(m.get("content") or "") for m in reversed(msgs) if isinstance(m, dict)
                           and m.get("role") == "user"), "")
         if isinstance(choice, dict):
@@ -128,7 +137,9 @@ def script_for(body: dict[str, Any], prompt: str, max_tokens: int) -> Script | N
             raise BadRequest(f"tool_choice must be 'none', 'auto', 'required' or a function, got {choice!r}")
         if tool is not None:
             fn = tool["function"]
-            args = value_for(fn.get("parameters") or {"type": "object", "properties": {}}, rng)
+            ticked = TICKED.search(last_user[:NAME_SCAN_CHARS]) if choice != "none" else None
+            args = value_for(fn.get("parameters") or {"type": "object", "properties": {}}, rng, 0,
+                             ticked.group(1) if ticked else None)
             call_id = f"call_{zlib.crc32((prompt + fn['name']).encode()):08x}{rng.getrandbits(64):016x}"
             return Script(_pieces(orjson.dumps(args).decode()), {"id": call_id, "name": fn["name"]})
     fmt = body.get("response_format")

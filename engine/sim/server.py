@@ -498,6 +498,22 @@ def build_router(engine: Engine) -> Router:
     for path in ("/health", "/health_generate"):
         r.add("GET", path, health)
     r.add("GET", "/v1/models", models)
+
+    async def tokenize(request: Request) -> Response:
+        """vLLM's ``/tokenize``: ``messages`` (through the sim's chat template) or ``prompt``; the count and ids."""
+        try:
+            body = _read_json(request)
+        except EngineError as exc:
+            return error(exc.status, exc.message, exc.kind)
+        msgs, prompt = body.get("messages"), body.get("prompt")
+        if isinstance(msgs, list) and msgs and all(isinstance(m, dict) for m in msgs):
+            prompt = chat_prompt(msgs)
+        if not isinstance(prompt, str):
+            return error(400, "either messages or prompt (a string) is required")
+        ids = token_ids(prompt)
+        return jsonr({"count": len(ids), "max_model_len": cfg.max_context, "tokens": ids})
+
+    r.add("POST", "/tokenize", tokenize)
     for path in ("/server_info", "/get_server_info"):
         r.add("GET", path, server_info)
     for path in ("/model_info", "/get_model_info"):

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+import orjson
+
 if TYPE_CHECKING:
     from pdgate.config import WorkerSpec
     from pdgate.record import Attempt
@@ -113,3 +115,29 @@ class Engine(Protocol):
 
     def forget(self, url: str) -> None:
         """The worker at ``url`` was down or removed: what the adapter learned of it may no longer hold."""
+
+    async def count_tokens(self, url: str, chat: dict[str, Any], timeout_s: float) -> int | None:
+        """The prompt tokens of chat body ``chat`` as the engine's tokenizer and chat template count them (None: it
+        does not say; ``/v1/messages/count_tokens``)."""
+
+
+def tokenize_body(chat: dict[str, Any]) -> bytes:
+    """``POST /tokenize`` for a chat body, as vLLM reads it (the messages through the chat template)."""
+    return orjson.dumps({"model": chat.get("model"), "messages": chat.get("messages"),
+                         **({"tools": chat["tools"]} if chat.get("tools") else {}), "add_generation_prompt": True})
+
+
+def token_count(status: int, answer: bytes) -> int | None:
+    """The count in ``/tokenize``'s answer (``count``, else the length of ``tokens``); None for anything else."""
+    if status != 200:
+        return None
+    try:
+        obj = orjson.loads(answer)
+    except orjson.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    n = obj.get("count")
+    if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
+        return n
+    return len(obj["tokens"]) if isinstance(obj.get("tokens"), list) else None

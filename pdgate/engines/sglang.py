@@ -22,13 +22,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from pdgate import protocol as wire
-from pdgate.engines.base import Held, Probe, Usage, _count, openai_usage
+from pdgate.engines.base import Held, Probe, Usage, _count, openai_usage, token_count, tokenize_body
 from pdgate.upstream import LoopLate
 
 if TYPE_CHECKING:
@@ -160,6 +161,13 @@ class SGLang:
 
     def forget(self, url: str) -> None:
         self.no_info.discard(url)  # whatever comes back up may be another engine
+
+    async def count_tokens(self, url: str, chat: dict[str, Any], timeout_s: float) -> int | None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                return token_count(*await self.up.post_read(url, "/tokenize", tokenize_body(chat)))
+        except (OSError, TimeoutError, ValueError):
+            return None
 
     async def identify(self, spec: WorkerSpec, timeout_s: float) -> Probe | None:
         """``/health`` 200, and ``/server_info`` naming the same disaggregation mode (a decode registered as a

@@ -24,12 +24,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from pdgate.engines.base import Held, Probe, Usage, _count, openai_usage
+from pdgate.engines.base import Held, Probe, Usage, _count, openai_usage, token_count, tokenize_body
 from pdgate.errors import InvalidField
 from pdgate.upstream import LoopLate
 
@@ -168,4 +169,11 @@ class VLLM:
 
     def forget(self, url: str) -> None:
         self.no_abort.pop(url, None)  # whatever comes back up may offer it
+
+    async def count_tokens(self, url: str, chat: dict[str, Any], timeout_s: float) -> int | None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                return token_count(*await self.up.post_read(url, "/tokenize", tokenize_body(chat)))
+        except (OSError, TimeoutError, ValueError):
+            return None
 
