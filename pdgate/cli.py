@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-policy", choices=config.POLICIES, help="the prefill's choice (default: --policy)")
     p.add_argument("--decode-policy", choices=config.LOAD_POLICIES, help="the decode's choice (default: --policy)")
     p.add_argument("--max-attempts", type=int, help="attempts per request, 1..9 (config default 3)")
+    p.add_argument("--model-alias", action="append", default=[], metavar="PATTERN=MODEL",
+                   help='client model names served by a served model, e.g. "claude-*=my-model" (repeatable; config '
+                   '[models."claude-*"] served_by)')
     _workers_flag(p)
     p.add_argument("--admin-key-file", help="a file holding the admin key (in plain text), beside the config's keys")
     p = sub.add_parser("up", help="start the workers of a cluster file and the gateway in front of them",
@@ -152,6 +155,14 @@ def build_config(args: argparse.Namespace) -> config.GatewayConfig:
     decode = [config.validate_worker(config.WorkerSpec(url=u.rstrip("/"), role="decode"), "--decode") for u in args.decode]
     if args.admin_key_file:
         cfg = config.with_key_files(dataclasses.replace(cfg, admin_key_file=args.admin_key_file))
+    aliases = {}
+    for item in getattr(args, "model_alias", []):
+        pattern, sep, model = item.partition("=")
+        if not sep or not pattern or not model:
+            raise config.ConfigError("--model-alias", item, "must be PATTERN=MODEL")
+        aliases[pattern] = dataclasses.replace(cfg.models.get(pattern, config.Budgets()), served_by=model)
+    if aliases:
+        cfg = config.validate(dataclasses.replace(cfg, models={**cfg.models, **aliases}))
     store = getattr(args, "store", None) or os.environ.get(multi.ENV_STORE)
     if store:
         cfg = config.validate(dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, url=store)))

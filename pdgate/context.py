@@ -22,6 +22,8 @@ class Front(Protocol):
     """What the client is answered in, when that is not what the engines speak (``pdgate.responses.Events``): the
     engine's whole SSE events translated (``feed``), and the gateway's own end of a started stream (``failed``)."""
 
+    headers: dict[str, str]  # sent with the answer's head (what the gateway left out of the request)
+
     def start(self, rec: Record) -> None: ...
 
     def session_for(self, rec: Record) -> str | None:

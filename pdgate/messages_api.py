@@ -25,6 +25,7 @@ from pdgate import anthropic
 from pdgate.auth import Tenant
 from pdgate.errors import GatewayError, InvalidJSON, UpstreamError
 from pdgate.relay import SSE_HEADERS
+from pdgate.responses import dropped_header
 from pdgate.validation import CHAT
 
 if TYPE_CHECKING:
@@ -34,17 +35,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdgate.messages")
 COUNT_TIMEOUT_S = 5.0
-DROPPED_HEADER = "x-pdgate-tools-dropped"
 
 
 class Front(anthropic.Events):
     """A Messages stream bound to its request's record (``Ctx.front``)."""
 
-    __slots__ = ("rec",)
+    __slots__ = ("headers", "rec")
 
-    def __init__(self, body: dict[str, Any]) -> None:
+    def __init__(self, body: dict[str, Any], dropped: list[str]) -> None:
         super().__init__(body, "")
         self.rec: Record | None = None
+        self.headers = dropped_header(dropped)
 
     def start(self, rec: Record) -> None:
         self.rec = rec
@@ -85,13 +86,13 @@ class MessagesRoute:
         body = parse(request)
         chat, dropped = anthropic.to_chat(body, self.normalise_billing)
         stream = chat.get("stream") is True
-        front = Front(body)
+        front = Front(body, dropped)
         life = self.pipeline.handle(request, CHAT, chat, anthropic.MESSAGES, front, asked=body)
         rec = front.rec
         assert rec is not None
-        headers = {"x-request-id": rec.id, **({DROPPED_HEADER: ",".join(dropped)[:1000]} if dropped else {})}
+        headers = {"x-request-id": rec.id, **front.headers}
         if dropped:
-            rec.note(f"tools left out (server tools): {', '.join(dropped)[:500]}")
+            rec.note(f"tools left out (the engines cannot act on them): {', '.join(dropped)[:500]}")
         answer = await life
         if isinstance(answer, Stream):
             u = front.usage

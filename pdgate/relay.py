@@ -149,7 +149,8 @@ class Relay:
             if first_token(rec, now, self.transitions):
                 ctx.watchdog.rearm()  # the budget due next is now idle, not TTFT
             rec.bytes_sent = True
-            out = ctx.resp = ctx.request.open_stream(200, {**SSE_HEADERS, "x-request-id": rec.id})
+            out = ctx.resp = ctx.request.open_stream(200, {**SSE_HEADERS, "x-request-id": rec.id, **(
+                ctx.front.headers if ctx.front is not None else {})})
         if fr.error:
             ctx.stream_error = "decode reported an error mid-stream"
         if fr.done:

@@ -19,12 +19,22 @@ import orjson
 from pdgate.errors import GatewayError, InvalidField
 
 RESPONSES = "/v1/responses"
+DROPPED_HEADER = "x-pdgate-tools-dropped"
+NS_SEP = "__"  # a namespace's function as the engine knows it: <namespace>__<name>
+LOCAL_SHELL = "local_shell"
+CALLS = {"function_call": "call_id, name and arguments as strings", "custom_tool_call": "call_id, name and input "
+         "as strings", "local_shell_call": "a call_id and an action object"}
+OUTPUTS = ("function_call_output", "custom_tool_call_output", "local_shell_call_output")
+# items a client replays that the engines here are not given back (Codex sends them each turn)
+REPLAYED = ("reasoning", "web_search_call", "tool_search_call", "tool_search_output", "compaction",
+            "compaction_summary", "image_generation_call", "file_search_call", "code_interpreter_call", "item_reference",
+            "additional_tools")
 ID = re.compile(r"resp_[A-Za-z0-9_.-]{1,160}")  # what a stored response's id may be (never a ':': see store/redis)
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 # accepted and not acted on (OpenAI's own fields that change nothing an engine does here)
 IGNORED = frozenset(("include", "truncation", "reasoning", "prompt_cache_key", "prompt_cache_retention",
                      "safety_identifier", "service_tier", "top_logprobs", "max_tool_calls", "context_management",
-                     "prompt_cache_options", "stream_options"))
+                     "prompt_cache_options", "stream_options", "client_metadata"))
 PASSED = ("temperature", "top_p", "parallel_tool_calls", "user", "timeout", "seed", "stop", "frequency_penalty",
           "presence_penalty")
 MAX_ITEMS = 10_000
@@ -80,50 +90,117 @@ def messages_of(items: Any) -> list[dict[str, Any]]:
                 raise InvalidField(f"'{where}.role' must be one of {', '.join(ROLES)}, got {it.get('role')!r}",
                                    param="input")
             out.append({"role": role, "content": _text_parts(it.get("content"), where, role == "user")})
-        elif kind == "function_call":
-            call_id, name, args = it.get("call_id"), it.get("name"), it.get("arguments", "")
-            if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(args, str)):
-                raise InvalidField(f"'{where}' (function_call) needs call_id, name and arguments as strings",
-                                   param="input")
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+        elif kind in CALLS:
+            call = chat_call(it)
+            if call is None:
+                raise InvalidField(f"'{where}' ({kind}) needs {CALLS[kind]}", param="input")
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
                 last["tool_calls"].append(call)  # parallel calls: one assistant message, as chat has them
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            call_id, output = it.get("call_id"), it.get("output")
+        elif kind in OUTPUTS:
+            call_id, output = it.get("call_id", it.get("id")), it.get("output")
             if not isinstance(call_id, str):
-                raise InvalidField(f"'{where}' (function_call_output) needs a call_id string", param="input")
+                raise InvalidField(f"'{where}' ({kind}) needs a call_id string", param="input")
             text = output if isinstance(output, str) else _text_parts(output, where, False)
             out.append({"role": "tool", "tool_call_id": call_id, "content": text if isinstance(text, str) else ""})
-        elif kind == "reasoning":
-            continue  # a model's reasoning item: the engines here are not given it back
+        elif kind in REPLAYED:
+            continue  # a model's reasoning, a built-in tool's turn: nothing the engines here are given back
         else:
-            raise InvalidField(f"'{where}' of type {kind!r} is not supported here (message, function_call, "
-                               "function_call_output, reasoning)", param="input")
+            raise InvalidField(f"'{where}' of type {kind!r} is not supported here (message, "
+                               f"{', '.join((*CALLS, *OUTPUTS, *REPLAYED))})", param="input")
     return out
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
+def chat_call(it: dict[str, Any]) -> dict[str, Any] | None:
+    """A call item (function, a namespace's function, custom, local shell) as a chat tool call, named as the
+    engine knows its tool (``engine_tools``); None if it lacks a field."""
+    kind, call_id = it.get("type"), it.get("call_id", it.get("id"))
+    if not isinstance(call_id, str):
+        return None
+    if kind == "function_call":
+        name, args, ns = it.get("name"), it.get("arguments", ""), it.get("namespace")
+        if not (isinstance(name, str) and isinstance(args, str)) or not isinstance(ns, (str, type(None))):
+            return None
+        flat = f"{ns}{NS_SEP}{name}" if ns else name
+    elif kind == "custom_tool_call":
+        name, text = it.get("name"), it.get("input", "")
+        if not (isinstance(name, str) and isinstance(text, str)):
+            return None
+        flat, args = name, orjson.dumps({"input": text}).decode()
+    else:  # local_shell_call
+        action = it.get("action")
+        if not isinstance(action, dict):
+            return None
+        flat, args = LOCAL_SHELL, orjson.dumps({k: v for k, v in action.items() if k != "type"}).decode()
+    return {"id": call_id, "type": "function", "function": {"name": flat, "arguments": args}}
+
+
+def _function(t: dict[str, Any], name: str) -> dict[str, Any]:
+    fn = {"name": name, **{k: t[k] for k in ("description", "parameters", "strict") if t.get(k) is not None}}
+    return {"type": "function", "function": fn}
+
+
+def engine_tools(tools: Any) -> tuple[list[dict[str, Any]], dict[str, tuple[str, str, str | None]], list[str]]:
+    """The tools as the engine's chat functions; what each function's name stands for (kind, name, namespace);
+    and the built-in tools left out (the engines cannot act on them: ``web_search``, ``tool_search``, ...).
+
+    ``function``: itself. ``namespace``: each of its functions, named ``<namespace>__<name>`` for the engine and
+    answered as a ``function_call`` with its ``namespace``. ``custom`` (freeform, e.g. Codex's ``apply_patch``):
+    a function taking one string, ``input`` (its grammar in the description), answered as a ``custom_tool_call``.
+    ``local_shell``: a function taking the exec action's fields, answered as a ``local_shell_call``."""
     if not isinstance(tools, list):
         raise InvalidField("'tools' must be a list", param="tools")
-    out = []
+    out: list[dict[str, Any]] = []
+    names: dict[str, tuple[str, str, str | None]] = {}
+    dropped: list[str] = []
     for i, t in enumerate(tools):
-        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
-            kind = t.get("type") if isinstance(t, dict) else None
-            raise InvalidField(f"'tools[{i}]' of type {kind!r} is not supported here: function tools only (name, "
-                               "description, parameters, strict)", param="tools")
-        fn = {"name": t["name"], **{k: t[k] for k in ("description", "parameters", "strict") if t.get(k) is not None}}
-        out.append({"type": "function", "function": fn})
-    return out
+        kind = t.get("type") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or not isinstance(kind, str):
+            raise InvalidField(f"'tools[{i}]' must be an object with a type", param="tools")
+        name = t.get("name")
+        if kind == "function" and isinstance(name, str):
+            out.append(_function(t, name))
+            names[name] = ("function", name, None)
+        elif kind == "namespace" and isinstance(name, str) and isinstance(t.get("tools"), list):
+            for j, inner in enumerate(t["tools"]):
+                if not isinstance(inner, dict) or inner.get("type", "function") != "function" \
+                        or not isinstance(inner.get("name"), str):
+                    raise InvalidField(f"'tools[{i}].tools[{j}]' must be a function tool", param="tools")
+                flat = f"{name}{NS_SEP}{inner['name']}"
+                out.append(_function(inner, flat))
+                names[flat] = ("function", inner["name"], name)
+        elif kind == "custom" and isinstance(name, str):
+            fmt = _obj(t.get("format"))
+            grammar = fmt.get("definition") if isinstance(fmt.get("definition"), str) else None
+            about = _str(t.get("description")) + ("\nThe input is free text" + (
+                f" in this {_str(fmt.get('syntax'))} grammar:\n{grammar}" if grammar else "") + ".")
+            out.append({"type": "function", "function": {"name": name, "description": about, "parameters": {
+                "type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}}})
+            names[name] = ("custom", name, None)
+        elif kind == "local_shell":
+            out.append({"type": "function", "function": {
+                "name": LOCAL_SHELL, "description": "Run a command on the user's machine.", "parameters": {
+                    "type": "object", "required": ["command"], "properties": {
+                        "command": {"type": "array", "items": {"type": "string"}},
+                        "working_directory": {"type": "string"}, "timeout_ms": {"type": "integer"}}}}})
+            names[LOCAL_SHELL] = ("local_shell", LOCAL_SHELL, None)
+        elif kind in ("function", "namespace", "custom"):
+            raise InvalidField(f"'tools[{i}]' of type {kind!r} needs a name" + (" and tools" if kind == "namespace"
+                                                                                else ""), param="tools")
+        else:
+            dropped.append(kind if not isinstance(name, str) else f"{name}:{kind}")
+    return out, names, dropped
 
 
 def _tool_choice(choice: Any) -> Any:
     if choice in ("auto", "none", "required"):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom") and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        return "required" if choice.get("mode") == "required" else "auto"
     raise InvalidField(f"'tool_choice' must be auto, none, required or {{\"type\": \"function\", \"name\": ...}}, got "
                        f"{choice!r}", param="tool_choice")
 
@@ -167,9 +244,13 @@ def to_chat(body: dict[str, Any], history: list[dict[str, Any]]) -> tuple[dict[s
     if body.get("max_output_tokens") is not None:
         chat["max_completion_tokens"] = body["max_output_tokens"]
     if body.get("tools"):
-        chat["tools"] = _tools(body["tools"])
+        tools, _, _ = engine_tools(body["tools"])
+        if tools:
+            chat["tools"] = tools
     if body.get("tool_choice") is not None:
-        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+        choice = _tool_choice(body["tool_choice"])
+        if "tools" in chat:  # every tool left out: no choice to make (an engine refuses one without tools)
+            chat["tool_choice"] = choice
     fmt = _format(body.get("text"))
     if fmt is not None:
         chat["response_format"] = fmt
@@ -216,9 +297,59 @@ def _message(item_id: str, text: str, status: str) -> dict[str, Any]:
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
-def _call(item_id: str, call_id: str, name: str, args: str, status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": args,
+Kinds = dict[str, tuple[str, str, "str | None"]]
+
+
+def dropped_header(dropped: list[str]) -> dict[str, str]:
+    """The tools left out of what the engine sees, named in the answer's head (and in the trace)."""
+    return {DROPPED_HEADER: ",".join(dropped)[:1000]} if dropped else {}
+
+
+def dropped_tools(body: dict[str, Any]) -> list[str]:
+    """The built-in tools of the request that the engines are not given (``engine_tools``)."""
+    tools = body.get("tools")
+    return engine_tools(tools)[2] if isinstance(tools, list) and tools else []
+
+
+def kinds_of(body: dict[str, Any]) -> Kinds:
+    """What each engine function's name stands for, from the request's tools (``engine_tools``)."""
+    tools = body.get("tools")
+    return engine_tools(tools)[1] if isinstance(tools, list) and tools else {}
+
+
+def _call(kinds: Kinds, item_id: str, call_id: str, flat: str, args: str, status: str) -> dict[str, Any]:
+    """The output item of an engine's call of function ``flat``: a ``function_call`` (with its ``namespace`` when
+    the function is one of a namespace's), a ``custom_tool_call`` or a ``local_shell_call``."""
+    kind, name, ns = kinds.get(flat, ("function", flat, None))
+    if kind == "custom":
+        got = _parsed(args)
+        text = got.get("input") if isinstance(got.get("input"), str) else args if status == "completed" else ""
+        return {"type": "custom_tool_call", "id": item_id, "call_id": call_id, "name": name, "input": text,
+                "status": status}
+    if kind == "local_shell":
+        got = _parsed(args)
+        cmd = got.get("command")
+        action = {"type": "exec", "command": [str(c) for c in cmd] if isinstance(cmd, list) else
+                  ([cmd] if isinstance(cmd, str) else []), "working_directory": got.get("working_directory"),
+                  "timeout_ms": got.get("timeout_ms"), "env": None, "user": None}
+        return {"type": "local_shell_call", "id": item_id, "call_id": call_id, "action": action, "status": status}
+    item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": args,
             "status": status}
+    if ns is not None:
+        item["namespace"] = ns
+    return item
+
+
+def item_id_kind(kinds: Kinds, flat: str) -> str:
+    return kinds.get(flat, ("function", flat, None))[0]
+
+
+def _parsed(args: str) -> dict[str, Any]:
+    try:
+        v = orjson.loads(args or "{}")
+    except orjson.JSONDecodeError:
+        return {}
+    return v if isinstance(v, dict) else {}
 
 
 def finish(resp: dict[str, Any], finish_reason: Any) -> None:
@@ -242,10 +373,11 @@ def answer(body: dict[str, Any], chat: bytes, rid: str, created: int) -> tuple[d
     status = "incomplete" if choice.get("finish_reason") == "length" else "completed"
     if isinstance(content, str) and content:
         resp["output"].append(_message("msg_" + base, content, status))
+    kinds = kinds_of(body)
     for i, tc in enumerate(c for c in (calls if isinstance(calls, list) else ()) if isinstance(c, dict)):
         fn = _obj(tc.get("function"))
-        resp["output"].append(_call(f"fc_{base}_{i}", _str(tc.get("id")) or f"call_{base}_{i}", _str(fn.get("name")),
-                                    _str(fn.get("arguments")), "completed"))
+        resp["output"].append(_call(kinds, f"fc_{base}_{i}", _str(tc.get("id")) or f"call_{base}_{i}",
+                                    _str(fn.get("name")), _str(fn.get("arguments")), "completed"))
     finish(resp, choice.get("finish_reason"))
     resp["usage"] = usage_of(obj.get("usage") if isinstance(obj, dict) else None)
     return resp, said(resp)
@@ -263,8 +395,7 @@ def _str(v: Any) -> str:
 def said(resp: dict[str, Any]) -> list[dict[str, Any]]:
     """A response's output as the chat messages a continuation sends back."""
     text = "".join(c["text"] for it in resp["output"] if it["type"] == "message" for c in it["content"])
-    calls = [{"id": it["call_id"], "type": "function", "function": {"name": it["name"], "arguments": it["arguments"]}}
-             for it in resp["output"] if it["type"] == "function_call"]
+    calls = [c for it in resp["output"] if it["type"] in CALLS and (c := chat_call(it)) is not None]
     if not text and not calls:
         return [{"role": "assistant", "content": ""}]
     return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
@@ -283,11 +414,12 @@ class Events:
     cut them) and the gateway's own ends (``failed``). The terminal event of a success is held in ``final`` until
     the route has stored the response (a client that continues at once finds it)."""
 
-    __slots__ = ("base", "body", "calls", "ended", "final", "finish_reason", "msg_index", "next_index", "opened",
-                 "pieces", "resp", "seq", "usage")
+    __slots__ = ("base", "body", "calls", "ended", "final", "finish_reason", "kinds", "msg_index", "next_index",
+                 "opened", "pieces", "resp", "seq", "usage")
 
     def __init__(self, body: dict[str, Any], rid: str, created: int) -> None:
         self.body = body
+        self.kinds = kinds_of(body)
         self.resp = shell(body, rid, created, "in_progress")
         self.base = rid.removeprefix("resp_")
         self.seq = 0
@@ -377,12 +509,13 @@ class Events:
                                         _str(fn.get("name")), []]
                 self.next_index += 1
                 out.append(self._ev("response.output_item.added", output_index=call[0],
-                                    item=_call(item_id, call[2], call[3], "", "in_progress")))
+                                    item=_call(self.kinds, item_id, call[2], call[3], "", "in_progress")))
             args = fn.get("arguments")
             if isinstance(args, str) and args:
                 call[4].append(args)
-                out.append(self._ev("response.function_call_arguments.delta", item_id=call[1], output_index=call[0],
-                                    delta=args))
+                if item_id_kind(self.kinds, call[3]) == "function":  # a custom or shell call's input comes whole
+                    out.append(self._ev("response.function_call_arguments.delta", item_id=call[1],
+                                        output_index=call[0], delta=args))
         return b"".join(out)
 
     def done(self) -> bytes:
@@ -406,9 +539,13 @@ class Events:
             items.append((self.msg_index, item))
         for index, item_id, call_id, name, pieces in self.calls.values():
             args = "".join(pieces)
-            out.append(self._ev("response.function_call_arguments.done", item_id=item_id, output_index=index,
-                                name=name, arguments=args))
-            item = _call(item_id, call_id, name, args, "completed")
+            item = _call(self.kinds, item_id, call_id, name, args, "completed")
+            if item["type"] == "function_call":
+                out.append(self._ev("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                                    name=item["name"], arguments=args))
+            elif item["type"] == "custom_tool_call":
+                out.append(self._ev("response.custom_tool_call_input.done", item_id=item_id, output_index=index,
+                                    input=item["input"]))
             out.append(self._ev("response.output_item.done", output_index=index, item=item))
             items.append((index, item))
         resp = self.resp

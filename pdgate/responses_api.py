@@ -40,11 +40,12 @@ log = logging.getLogger("pdgate.responses")
 class Front(responses.Events):
     """A Responses stream bound to its request's record (``Ctx.front``)."""
 
-    __slots__ = ("rec",)
+    __slots__ = ("headers", "rec")
 
-    def __init__(self, body: dict[str, Any]) -> None:
+    def __init__(self, body: dict[str, Any], dropped: list[str]) -> None:
         super().__init__(body, "", 0)
         self.rec: Record | None = None
+        self.headers = responses.dropped_header(dropped)
 
     def start(self, rec: Record) -> None:
         self.rec = rec
@@ -92,10 +93,13 @@ class ResponsesRoute:
             history, session = stored["messages"], stored.get("session")
         chat, turn = responses.to_chat(body, history)
         stream = chat.get("stream") is True
-        front = Front(body)
+        dropped = responses.dropped_tools(body)
+        front = Front(body, dropped)
         life = self.pipeline.handle(request, CHAT, chat, responses.RESPONSES, front, session, asked=body)
         rec = front.rec
         assert rec is not None
+        if dropped:
+            rec.note(f"tools left out (the engines cannot act on them): {', '.join(dropped)[:500]}")
         rid = front.resp["id"]
         answer = await life
         if isinstance(answer, Stream):
@@ -108,7 +112,7 @@ class ResponsesRoute:
                 rec.prompt_tokens, rec.completion_tokens = u["input_tokens"], u["output_tokens"]
                 rec.cached_tokens = u["input_tokens_details"]["cached_tokens"]
             return answer
-        headers = {"x-request-id": rec.id}
+        headers = {"x-request-id": rec.id, **front.headers}
         if answer.status == 200 and not stream:
             try:
                 obj, _ = responses.answer(body, answer.body, rid, int(rec.created_wall))

@@ -67,6 +67,18 @@ def served_model(cluster: Cluster) -> str:
     return args[args.index("--model") + 1] if "--model" in args[:-1] else "sim-model"
 
 
+AGENT_MODELS = ("claude-*", "gpt-*", "codex-*")  # Claude Code's and Codex's default model names
+
+
+def with_agent_aliases(cfg: config.GatewayConfig, model: str) -> config.GatewayConfig:
+    """Claude Code and Codex run with their default model names: unless the config names aliases of its own, those
+    names are served by the cluster's model (``[models."claude-*"] served_by``; said in the ready message)."""
+    if any(b.served_by for b in cfg.models.values()):
+        return cfg
+    aliases = {p: config.Budgets(served_by=model) for p in AGENT_MODELS}
+    return dataclasses.replace(cfg, models={**cfg.models, **aliases})
+
+
 def per_instance(cluster: Cluster, port: int) -> Cluster:
     """Logs of this instance apart from any other's: ``<log_dir>/pdgate-<port>/<worker>.log``."""
     return dataclasses.replace(cluster, log_dir=cluster.log_dir / f"pdgate-{port}")
@@ -128,14 +140,17 @@ def serve_argv(cfg: config.GatewayConfig, config_path: str | None, key_file: Pat
         argv += ["--prefill", w.url, *([str(w.bootstrap_port)] if w.bootstrap_port is not None else [])]
     for w in cfg.decode:
         argv += ["--decode", w.url]
+    for pattern, b in cfg.models.items():  # aliases up made (with_agent_aliases) reach every process
+        if b.served_by:
+            argv += ["--model-alias", f"{pattern}={b.served_by}"]
     return argv
 
 
 async def run_up(cluster_path: str, config_path: str | None, host: str | None, port: int | None,
                  allow_unsafe_kernel_profile: bool = False, admin: dict[str, Any] | None = None,
                  admin_key_file: Path = LOCAL_ADMIN_KEY, workers: int = 1, log_level: str = "INFO") -> None:
-    base = config.load(config_path)
     cluster = load_cluster(cluster_file(cluster_path), allow_unsafe_kernel_profile)
+    base = with_agent_aliases(config.load(config_path), served_model(cluster))
     planned = config.override(base, host=host, port=port, **(admin or {}))
     multi.check(planned, workers)
     check_ports(planned, cluster)
@@ -180,6 +195,9 @@ async def run_up(cluster_path: str, config_path: str | None, host: str | None, p
               + ("    -H 'Authorization: Bearer <a client key>' \\\n" if cfg.keys else "") +
               f"""    -d '{{"model":"{served_model(cluster)}","messages":[{{"role":"user","content":"say hi"}}],"""
               """"max_tokens":8}'\n"""
+              + "".join(f"  model names {', '.join(sorted(a for a, b in cfg.models.items() if b.served_by == m))} "
+                        f"are served by {m} (README \"Clients\": Claude Code, Codex)\n"
+                        for m in sorted({b.served_by for b in cfg.models.values() if b.served_by})) +
               "  pdgate ps   pdgate workers   pdgate trace <x-request-id>   pdgate top\n"
               "Ctrl-C stops the gateway and every worker.", flush=True)
         if running is not None:

@@ -5,14 +5,17 @@ Tool calls (``tools`` on /v1/chat/completions):
 - ``{"type": "function", "function": {"name": X}}``: a call of X.
 - ``"required"``: a call of the tool named in the last user message, else of the first tool.
 - ``"auto"`` (the default): a call when the last message is the user's (of the tool it names, else the first
-  tool; system messages after it do not count); after a ``tool`` message (the result came back) or anything
-  else, a text answer. So an agent loop goes: user asks -> tool call -> tool result -> answer -> user asks again ...
+  tool; system messages after it do not count); after a ``tool`` message (the result came back, whatever user
+  text follows it in the same turn) or anything else, a text answer. So an agent loop goes: user asks -> tool
+  call -> tool result -> answer -> user asks again ...
 - The arguments are a JSON object made from the function's ``parameters`` schema (``value_for``): every
-  property, a string's ``enum[0]`` or a word, numbers within ``minimum``/``maximum``, booleans true, one item
-  per array. A string property named as a command or a path (``FILLED``) takes the first `backticked` text of
-  the user's last message, if it has one: "run `ls` with Bash" calls Bash with ``{"command": "ls", ...}``, so an
-  agent's tool round trip does something real. Streamed as OpenAI does: the first delta names the call, later ones carry argument pieces,
-  ``finish_reason`` is ``tool_calls`` (``length`` if ``max_tokens`` cut the arguments short).
+  property (only the ``required`` ones where it names some), a string's ``enum[0]`` or a word, whole numbers
+  within ``minimum``/``maximum``, booleans false (an agent's optional switches stay off: no background run, no
+  sandbox bypass), one item per array. A string
+  property named as a command or a path (``FILLED``) takes the first `backticked` text of the user's last
+  message, if it has one: "run `ls` with Bash" calls Bash with ``{"command": "ls", ...}``, so an agent's tool
+  round trip does something real. Streamed as OpenAI does: the first delta names the call, later ones carry
+  argument pieces, ``finish_reason`` is ``tool_calls`` (``length`` if ``max_tokens`` cut the arguments short).
 
 JSON (``response_format``): ``json_object`` gives ``{"answer": "<words>"}``, always valid (the words shrink to
 fit ``max_tokens``); ``json_schema`` gives a value of its schema (valid unless ``max_tokens`` cuts it).
@@ -75,6 +78,9 @@ def value_for(schema: Any, rng: random.Random, depth: int = 0, fill: str | None 
         kind = next((k for k in kind if k != "null"), "null")
     if kind == "object" or (kind is None and isinstance(schema.get("properties"), dict)):
         props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = schema.get("required")
+        if isinstance(required, list) and required:  # a model leaves optional properties out
+            props = {k: v for k, v in props.items() if k in required}
         return {str(k): fill if fill is not None and k in FILLED and isinstance(v, dict) and v.get("type") == "string"
                 else value_for(v, rng, depth + 1) for k, v in list(props.items())[:32]}
     if kind == "array":
@@ -83,10 +89,10 @@ def value_for(schema: Any, rng: random.Random, depth: int = 0, fill: str | None 
         lo, hi = schema.get("minimum", 0), schema.get("maximum", 100)
         lo, hi = (int(lo), int(hi)) if isinstance(lo, (int, float)) and isinstance(hi, (int, float)) else (0, 100)
         return rng.randint(lo, max(lo, hi))
-    if kind == "number":
-        return round(rng.uniform(0, 100), 2)
+    if kind == "number":  # a whole number, as models mostly write one (and a client may read it as an integer)
+        return rng.randint(0, 100)
     if kind == "boolean":
-        return True
+        return False
     if kind == "null":
         return None
     return " ".join(rng.choice(WORDS) for _ in range(2))
@@ -122,6 +128,12 @@ def script_for(body: dict[str, Any], prompt: str, max_tokens: int) -> Script | N
         choice = body.get("tool_choice") or "auto"
         msgs = [m for m in body.get("messages") or () if not (isinstance(m, dict) and m.get("role") == "system")]
         last = msgs[-1] if msgs and isinstance(msgs[-1], dict) else {}
+        turn = []  # what came after the assistant's last message
+        for m in reversed(msgs):
+            if not isinstance(m, dict) or m.get("role") == "assistant":
+                break
+            turn.append(m.get("role"))
+        answered = "tool" in turn  # a tool's result came back (a client may add text after it in the same turn)
         last_user = next((str(m.get("content") or "") for m in reversed(msgs) if isinstance(m, dict)
                           and m.get("role") == "user"), "")
         if isinstance(choice, dict):
@@ -129,7 +141,7 @@ def script_for(body: dict[str, Any], prompt: str, max_tokens: int) -> Script | N
             tool = next((t for t in tools if t["function"]["name"] == name), None)
             if tool is None:
                 raise BadRequest(f"tool_choice names function {name!r}, which is not in 'tools'")
-        elif choice == "required" or (choice == "auto" and last.get("role") == "user"):
+        elif choice == "required" or (choice == "auto" and last.get("role") == "user" and not answered):
             tool = _named(tools, last_user)
         elif choice in ("auto", "none"):
             tool = None

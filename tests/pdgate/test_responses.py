@@ -125,8 +125,13 @@ async def test_store_false_keeps_nothing_and_unknown_ids_are_404(procs: Procs, g
         with pytest.raises(openai.NotFoundError) as e:
             await client.responses.create(model="sim-model", input="hi", previous_response_id=bad)
         assert e.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    # a built-in tool the engines cannot act on is left out, and said so, never a 400 that stops an agent
+    raw = await client.responses.with_raw_response.create(model="sim-model", input="hi", tools=[{"type": "web_search"}])
+    assert raw.headers["x-pdgate-tools-dropped"] == "web_search" and raw.parse().output_text
+    rec = g.gw.traces.get(raw.headers["x-request-id"])
+    assert rec is not None and rec.notes == ["tools left out (the engines cannot act on them): web_search"]
     with pytest.raises(openai.BadRequestError) as bad_req:
-        await client.responses.create(model="sim-model", input="hi", tools=[{"type": "web_search"}])
+        await client.responses.create(model="sim-model", input="hi", tools=[{"type": "namespace", "name": "n"}])
     assert bad_req.value.body["param"] == "tools"  # type: ignore[index]
 
 
@@ -210,6 +215,7 @@ async def test_an_idle_deadline_mid_stream_and_a_drain_end_with_response_failed(
 def test_input_items_become_chat_messages() -> None:
     chat, turn = responses.to_chat({
         "model": "m", "instructions": "be brief", "max_output_tokens": 9, "tool_choice": {"type": "function", "name": "f"},
+        "tools": [{"type": "function", "name": "f"}],
         "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}}, "stream": True,
         "input": [{"role": "developer", "content": "rules"},
                   {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
@@ -231,9 +237,12 @@ def test_input_items_become_chat_messages() -> None:
 @pytest.mark.parametrize("body, param", [
     ({"model": "m"}, "input"),
     ({"model": "m", "input": []}, "input"),
-    ({"model": "m", "input": [{"type": "item_reference", "id": "x"}]}, "input"),
+    ({"model": "m", "input": [{"type": "mystery_call", "id": "x"}]}, "input"),
+    ({"model": "m", "input": [{"type": "custom_tool_call", "call_id": "c"}]}, "input"),
     ({"model": "m", "input": [{"role": "tool", "content": "x"}]}, "input"),
-    ({"model": "m", "input": "x", "tools": [{"type": "file_search"}]}, "tools"),
+    ({"model": "m", "input": "x", "tools": [{"type": "custom"}]}, "tools"),
+    ({"model": "m", "input": "x", "tools": [{"type": "namespace", "name": "n", "tools": [{"type": "custom"}]}]},
+     "tools"),
     ({"model": "m", "input": "x", "tool_choice": "sometimes"}, "tool_choice"),
     ({"model": "m", "input": "x", "background": True}, "background"),
     ({"model": "m", "input": "x", "store": "yes"}, "store"),
@@ -488,4 +497,93 @@ async def test_json_schema_output_and_an_engine_failure_as_response_failed(
     with pytest.raises(openai.InternalServerError):
         await client.responses.create(model="sim-model", input="hi", max_output_tokens=4)
     await set_faults(http, d, http_500_rate=0)
+    await assert_clean(http, g.gw, [p, d])
+
+
+# ---- Codex's tool kinds ---------------------------------------------------------------------------------------
+CODEX_TOOLS = [
+    {"type": "function", "name": "exec_command", "parameters": {"type": "object", "properties": {
+        "cmd": {"type": "string"}}, "required": ["cmd"]}},
+    {"type": "namespace", "name": "multi_agent_v1", "description": "sub-agents", "tools": [
+        {"type": "function", "name": "spawn_agent", "strict": False, "parameters": {"type": "object", "properties": {
+            "message": {"type": "string"}}}}]},
+    {"type": "custom", "name": "apply_patch", "description": "edit files",
+     "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch hunk+ end_patch"}},
+    {"type": "local_shell"},
+    {"type": "web_search", "external_web_access": False},
+    {"type": "tool_search", "execution": "client", "parameters": {"type": "object"}}]
+CODEX_INPUT = [
+    {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "You are Codex."}]},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix it"}]},
+    {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "gAAAA"},
+    {"type": "custom_tool_call", "id": "ctc_1", "call_id": "c1", "name": "apply_patch", "input": "*** Begin Patch"},
+    {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done!"},
+    {"type": "local_shell_call", "id": "lsc_1", "call_id": "c2", "status": "completed",
+     "action": {"type": "exec", "command": ["ls", "-la"], "timeout_ms": 1000}},
+    {"type": "local_shell_call_output", "call_id": "c2", "output": "a.txt"},
+    {"type": "function_call", "call_id": "c3", "name": "spawn_agent", "namespace": "multi_agent_v1", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "c3", "output": "spawned"},
+    {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "q"}},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "now more"}]}]
+
+
+def test_codex_tool_kinds_become_functions_and_its_replayed_items_messages() -> None:
+    body = {"model": "m", "input": CODEX_INPUT, "tools": CODEX_TOOLS, "store": False, "stream": True,
+            "include": ["reasoning.encrypted_content"], "prompt_cache_key": "thread-1", "reasoning": {"effort": "low"},
+            "client_metadata": {"x": "y"}, "text": {"verbosity": "low"}, "tool_choice": "auto"}
+    chat, turn = responses.to_chat(body, [])
+    names = [t["function"]["name"] for t in chat["tools"]]
+    assert names == ["exec_command", "multi_agent_v1__spawn_agent", "apply_patch", "local_shell"]
+    assert chat["tools"][2]["function"]["parameters"]["required"] == ["input"]
+    assert "start: begin_patch" in chat["tools"][2]["function"]["description"]
+    assert responses.dropped_tools(body) == ["web_search", "tool_search"]
+    calls = [m["tool_calls"][0]["function"] for m in turn if m.get("tool_calls")]
+    assert calls == [{"name": "apply_patch", "arguments": '{"input":"*** Begin Patch"}'},
+                     {"name": "local_shell", "arguments": '{"command":["ls","-la"],"timeout_ms":1000}'},
+                     {"name": "multi_agent_v1__spawn_agent", "arguments": "{}"}]
+    assert [m["content"] for m in turn if m["role"] == "tool"] == ["Done!", "a.txt", "spawned"]
+    # the engine's calls answered as the kinds asked for, whole and streamed
+    answer = orjson.dumps({"choices": [{"finish_reason": "tool_calls", "message": {"content": None, "tool_calls": [
+        {"id": "k1", "function": {"name": "apply_patch", "arguments": '{"input": "*** Begin Patch\\n"}'}},
+        {"id": "k2", "function": {"name": "multi_agent_v1__spawn_agent", "arguments": '{"message": "hi"}'}},
+        {"id": "k3", "function": {"name": "local_shell", "arguments": '{"command": ["ls"]}'}}]}}]})
+    resp, said = responses.answer(body, answer, "resp_x", 0)
+    custom, fn, shell = resp["output"]
+    assert custom == {"type": "custom_tool_call", "id": "fc_x_0", "call_id": "k1", "name": "apply_patch",
+                      "input": "*** Begin Patch\n", "status": "completed"}
+    assert fn["type"] == "function_call" and fn["name"] == "spawn_agent" and fn["namespace"] == "multi_agent_v1"
+    assert shell["type"] == "local_shell_call" and shell["action"]["command"] == ["ls"]
+    assert [c["function"]["name"] for c in said[0]["tool_calls"]] == ["apply_patch", "multi_agent_v1__spawn_agent",
+                                                                      "local_shell"]
+    ev = responses.Events(body, "resp_y", 0)
+    out = ev.feed(sse({"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "k1", "function": {
+        "name": "apply_patch", "arguments": '{"input": "*** Beg'}}]}}]},
+                      {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": 'in"}'}}]}}]},
+                      {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]}), b"\n\n")
+    kinds = [e["type"] for e in parse(out)]
+    assert "response.function_call_arguments.delta" not in kinds and "response.custom_tool_call_input.done" in kinds
+    done = [e for e in parse(out) if e["type"] == "response.output_item.done"][0]["item"]
+    assert done["type"] == "custom_tool_call" and done["input"] == "*** Begin"
+    assert [it["type"] for it in parse(ev.final)[0]["response"]["output"]] == ["custom_tool_call"]
+
+
+async def test_a_codex_request_is_served_with_its_tools_and_the_dropped_ones_said(
+        procs: Procs, gateways: list[Any], http: aiohttp.ClientSession) -> None:
+    """Codex's first request as it sends it (tool kinds beyond function, store false, include, a prompt cache key,
+    its session header): served, the sim calling the freeform apply_patch, streamed as Codex reads it."""
+    p, d = procs.pair(*SPLIT)
+    g = await gateway(gateways, [p], [d])
+    body = {"model": "sim-model", "stream": True, "store": False, "tools": CODEX_TOOLS, "prompt_cache_key": "t-1",
+            "include": ["reasoning.encrypted_content"], "input": [
+                {"type": "message", "role": "user", "content": [{"type": "input_text",
+                                                                 "text": "use apply_patch: `*** Begin Patch`"}]}]}
+    async with http.post(g.url + "/v1/responses", json=body, headers={"session-id": "codex-1"}) as r:
+        assert r.status == 200 and r.headers["x-pdgate-tools-dropped"] == "web_search,tool_search"
+        raw = await r.read()
+    evs = [orjson.loads(ln[6:]) for ln in raw.split(b"\n") if ln.startswith(b"data: ")]
+    item = [e for e in evs if e["type"] == "response.output_item.done"][0]["item"]
+    assert item["type"] == "custom_tool_call" and item["name"] == "apply_patch" and item["input"] == "*** Begin Patch"
+    assert evs[-1]["type"] == "response.completed"
+    rec = g.gw.traces.get(r.headers["x-request-id"])
+    assert rec is not None and rec.session == "codex-1"
     await assert_clean(http, g.gw, [p, d])
