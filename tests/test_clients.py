@@ -104,5 +104,5 @@ def test_claude_code_runs_bash_and_answers_with_its_default_model(up: str, tmp_p
     assert "marker-file.txt" in json.dumps(result["content"]), result
     assert said[2]["content"][0]["type"] == "text" and said[2]["content"][0]["text"]
     assert said[0]["model"].startswith("claude-"), "its default model name, served by the alias"
-    final = [e for e in evs if e.get("type") == "result"][0]
+    final = next(e for e in evs if e.get("type") == "result")
     assert final["subtype"] == "success" and final["is_error"] is False, final

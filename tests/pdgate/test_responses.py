@@ -562,7 +562,7 @@ def test_codex_tool_kinds_become_functions_and_its_replayed_items_messages() -> 
                       {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]}), b"\n\n")
     kinds = [e["type"] for e in parse(out)]
     assert "response.function_call_arguments.delta" not in kinds and "response.custom_tool_call_input.done" in kinds
-    done = [e for e in parse(out) if e["type"] == "response.output_item.done"][0]["item"]
+    done = next(e for e in parse(out) if e["type"] == "response.output_item.done")["item"]
     assert done["type"] == "custom_tool_call" and done["input"] == "*** Begin"
     assert [it["type"] for it in parse(ev.final)[0]["response"]["output"]] == ["custom_tool_call"]
 
@@ -581,7 +581,7 @@ async def test_a_codex_request_is_served_with_its_tools_and_the_dropped_ones_sai
         assert r.status == 200 and r.headers["x-pdgate-tools-dropped"] == "web_search,tool_search"
         raw = await r.read()
     evs = [orjson.loads(ln[6:]) for ln in raw.split(b"\n") if ln.startswith(b"data: ")]
-    item = [e for e in evs if e["type"] == "response.output_item.done"][0]["item"]
+    item = next(e for e in evs if e["type"] == "response.output_item.done")["item"]
     assert item["type"] == "custom_tool_call" and item["name"] == "apply_patch" and item["input"] == "*** Begin Patch"
     assert evs[-1]["type"] == "response.completed"
     rec = g.gw.traces.get(r.headers["x-request-id"])
