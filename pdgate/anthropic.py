@@ -28,7 +28,7 @@ MAX_STOP = 16
 MAX_CALLS = 128
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
-               502: "api_error", 503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
+               499: "api_error", 502: "api_error", 503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
 # Claude Code's first system block: "x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=<nonce>;"
 # its cch value changes every request, so no two rounds of a session share a cached prefix (normalise_billing)
 BILLING = re.compile(r"^(x-anthropic-billing-header:[^\n]*?)\s*\bcch=[^;\n]*;?")

@@ -107,9 +107,9 @@ class MessagesRoute:
                 log.warning("request %s: the engine's chat answer could not be read as one", rec.id)
                 raise UpstreamError("the decode's answer is not a chat completion", role="decode") from None
             return json_response(obj, headers=headers)
-        if answer.status < 400 or answer.status == 499:
+        if answer.status < 400:
             return answer
-        if stream and "Retry-After" not in answer.headers:
+        if stream and answer.status != 499 and "Retry-After" not in answer.headers:
             # ended before its first token: the stream opens and ends with an error event naming why
             out = request.open_stream(200, {**SSE_HEADERS, **headers})
             msg = orjson.loads(anthropic.from_openai(answer.status, answer.body))["error"]["message"]

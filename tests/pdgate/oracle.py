@@ -37,7 +37,7 @@ from pdgate.config import AdmissionConfig, DeadlineConfig, HealthConfig, Reconci
 from pdgate.scope import Cause, Reason
 from tests.engine.simclient import engine_requests, set_faults
 from tests.pdgate.harness import Running, make_config, start_gateway
-from tests.pdgate.sse import DELTA, Seen, call
+from tests.pdgate.sse import DELTA, Seen, anthropic_error, call
 from tests.procs import Procs, Sim, wait_http
 
 TOL = 0.35  # seconds a terminal answer may come after the budget that applies (timers, a loaded 2-core CI)
@@ -47,7 +47,7 @@ MAX_TOTAL, MAX_TTFT, MAX_IDLE = DeadlineConfig().max_total_s, DeadlineConfig().m
 # an engine that notices late, so that only the gateway's aborts free what it leaves
 SIM_ENV = {"SGLANG_REQUEST_STATE_WAIT_TIMEOUT": "30"}
 DECODE_ARGS = ("--speed", "8")  # ~30 ms a token: streams last long enough for faults to land in them
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/generate", "/v1/responses", "/v1/messages")
 SIM_FAULTS = ("slow_prefill", "decode_freeze", "decode_stall", "http_500_rate", "slow_first_token", "decode_crash", "abort_race",
               "ack_loss", "bootstrap_loss", "slow_accept", "done_stall")
 OFF = {"slow_prefill": 0, "decode_freeze": False, "decode_stall": False, "http_500_rate": 0, "slow_first_token": 0, "decode_crash": False,
@@ -204,6 +204,7 @@ scenarios = lambda: st.one_of(free_scenarios(), stalled_streams(), drained_under
 
 CHAT_STREAM = Req("/v1/chat/completions", True, 30, None, None, 0.3, "reads", 1, 0.0)
 RESPONSES_STREAM = dataclasses.replace(CHAT_STREAM, route="/v1/responses")
+MESSAGES_STREAM = dataclasses.replace(CHAT_STREAM, route="/v1/messages")
 # Each shape a mechanism needs, run in every oracle run besides the generated ones (whatever hypothesis draws):
 SHAPES = (
     # idle much shorter than TTFT, every decode stalled after a few tokens: the watchdog must re-arm
@@ -243,6 +244,18 @@ SHAPES = (
              (Fault(0.0, ALL_PREFILLS, "slow_prefill", 2.0, 1.0),), None, 0.0, "abort"),
     # ... a drain while every decode stalls mid-stream
     Scenario(12, 0.5, (dataclasses.replace(RESPONSES_STREAM, idle=None),),
+             (Fault(0.1, ALL_DECODES, "decode_stall", 1.0, 2.5),), 0.5, 0.3, None),
+    # the Messages route: its stream stuck mid-event at its idle budget (the error event after whole events only),
+    # beside a non-stream one
+    Scenario(13, 0.0, (MESSAGES_STREAM, Req("/v1/messages", False, 12, None, None, None, "reads", 1, 0.0)),
+             (Fault(0.15, ALL_DECODES, "split_stall", 1.0, 0.0, persist=True),), None, 0.0, None),
+    # ... a TTFT deadline and a drain at once, before its first token (an error event, never a 504)
+    Scenario(14, 0.0, (Req("/v1/messages", True, 8, None, 0.4, None, "reads", 1, 0.0),),
+             (Fault(0.0, ALL_PREFILLS, "slow_prefill", 2.0, 1.0),), None, 0.0, "drain"),
+    # ... an operator's abort at its TTFT deadline, not streamed; and a drain while every decode stalls mid-stream
+    Scenario(15, 0.0, (Req("/v1/messages", False, 8, None, 0.4, None, "reads", 1, 0.0),),
+             (Fault(0.0, ALL_PREFILLS, "slow_prefill", 2.0, 1.0),), None, 0.0, "abort"),
+    Scenario(16, 0.5, (dataclasses.replace(MESSAGES_STREAM, idle=None),),
              (Fault(0.1, ALL_DECODES, "decode_stall", 1.0, 2.5),), 0.5, 0.3, None),
 )
 
@@ -299,6 +312,9 @@ def body(r: Req) -> dict[str, Any]:
         return {"text": "tell me a story", "sampling_params": {"max_new_tokens": r.max_tokens}, "stream": r.stream}
     if r.route == "/v1/responses":
         return {"model": "sim-model", "input": "tell me a story", "max_output_tokens": r.max_tokens, "stream": r.stream}
+    if r.route == "/v1/messages":
+        return {"model": "sim-model", "messages": [{"role": "user", "content": "tell me a story"}],
+                "max_tokens": r.max_tokens, "stream": r.stream}
     if r.route == "/v1/completions":
         return {"model": "sim-model", "prompt": "tell me a story", "max_tokens": r.max_tokens, "stream": r.stream}
     return {"model": "sim-model", "messages": [{"role": "user", "content": "tell me a story"}],
@@ -484,6 +500,14 @@ def lateness(r: Req, s: Seen) -> float:
 def text_of(route: str, s: Seen, stream: bool) -> str | None:
     """The text the client got (None: not an answer of that route's shape)."""
     try:
+        if route == "/v1/messages":
+            if stream:
+                objs = [orjson.loads(d) for _, d in s.events]
+                deltas = [o["delta"]["text"] for o in objs if o["type"] == "content_block_delta"]
+                kinds = [o["type"] for o in objs]
+                ok = kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta", "message_stop"]
+                return "".join(deltas) if ok else None
+            return "".join(b["text"] for b in s.json["content"] if b["type"] == "text")
         if route == "/v1/responses":
             if stream:
                 deltas = [orjson.loads(d)["delta"] for _, d in s.events if d.startswith(DELTA)]
@@ -528,10 +552,14 @@ def check_client(g: Running, r: Req, s: Seen, drained_at: float | None, drain_s:
     err: dict[str, Any] | None = errors[-1] if errors else None
     if s.status != 200:
         try:
-            err = dict(s.json["error"])
+            if r.route == "/v1/messages":  # Anthropic's shape, and only that
+                assert s.json["type"] == "error" and set(s.json["error"]) == {"type", "message"}
+                err = anthropic_error(s.json["error"])
+            else:
+                err = dict(s.json["error"])
             assert isinstance(err["message"], str) and err["code"]
         except Exception:
-            out.append(f"terminal-answer: {rid} status {s.status} without an OpenAI error body: {s.body[:80]!r}")
+            out.append(f"terminal-answer: {rid} status {s.status} without the route's error body: {s.body[:80]!r}")
             err = None
     if s.status == 200 and not errors:
         out += answer_agrees(r, s, rid, sent)

@@ -2,8 +2,9 @@
 
 Chat, completions and ``/generate`` streams end with ``[DONE]`` and carry errors as ``{"error": ...}`` events; a
 Responses stream (``/v1/responses``) ends with one terminal event (``response.completed``, ``.incomplete`` or
-``.failed``, whose ``response.error`` is the error) and its tokens are ``response.output_text.delta`` events.
-``Seen`` reads both."""
+``.failed``, whose ``response.error`` is the error) and its tokens are ``response.output_text.delta`` events; a
+Messages stream (``/v1/messages``) ends with ``message_stop`` or one ``error`` event, its tokens are ``text_delta``
+events. ``Seen`` reads all three."""
 
 from __future__ import annotations
 
@@ -16,6 +17,25 @@ import aiohttp
 import orjson
 
 RESPONSE_EVENT = b'{"type":"response.'
+# Anthropic's Messages stream (/v1/messages): ends with message_stop, or an error event; text in text_delta events
+MESSAGES_FIRST = (b'{"type":"message_start"', b'{"type":"error"')
+MESSAGES_END = (b'{"type":"message_stop"', b'{"type":"error"')
+MESSAGES_ERROR = b'{"type":"error"'
+MESSAGES_DELTA = b'{"type":"content_block_delta","index":'
+# Anthropic's error types back to the gateway's codes the checks name (the message says the rest)
+ANTHROPIC_CODES = {"timeout_error": "deadline_exceeded", "invalid_request_error": "invalid_request",
+                   "not_found_error": "not_found", "rate_limit_error": "rate_limit_exceeded"}
+
+
+def anthropic_error(err: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic error object as the checks read errors: a ``code`` (from its type and words) and its message."""
+    kind, msg = err.get("type"), str(err.get("message", ""))
+    code = ANTHROPIC_CODES.get(kind)  # type: ignore[arg-type]
+    if code is None:
+        low = msg.lower()
+        code = ("gateway_draining" if "drain" in low or "gateway stopped" in low else
+                "request_aborted" if "abort" in low else str(kind))
+    return {"code": code, "message": msg, "type": kind}
 TERMINAL = tuple(b'{"type":"response.%b"' % k for k in (b"completed", b"incomplete", b"failed"))
 FAILED = b'{"type":"response.failed"'
 DELTA = b'{"type":"response.output_text.delta"'
@@ -39,18 +59,29 @@ class Seen:
         return bool(self.events) and self.events[0][1].startswith(RESPONSE_EVENT)
 
     @property
+    def messages(self) -> bool:
+        """An Anthropic Messages stream (``message_start``, or the gateway's one ``error`` event)."""
+        return bool(self.events) and self.events[0][1].startswith(MESSAGES_FIRST)
+
+    @property
     def done_count(self) -> int:
         if self.responses:
             return sum(1 for _, d in self.events if d.startswith(TERMINAL))
+        if self.messages:
+            return sum(1 for _, d in self.events if d.startswith(MESSAGES_END))
         return sum(1 for _, d in self.events if d == b"[DONE]")
 
     def is_done(self, data: bytes) -> bool:
+        if self.messages:
+            return data.startswith(MESSAGES_END)
         return data.startswith(TERMINAL) if self.responses else data == b"[DONE]"
 
     @property
     def error_events(self) -> list[dict[str, Any]]:
         if self.responses:
             return [orjson.loads(d)["response"]["error"] for _, d in self.events if d.startswith(FAILED)]
+        if self.messages:
+            return [anthropic_error(orjson.loads(d)["error"]) for _, d in self.events if d.startswith(MESSAGES_ERROR)]
         out = []
         for _, d in self.events:
             if d.startswith(b'{"error"'):
@@ -63,6 +94,8 @@ class Seen:
         deltas)."""
         if self.responses:
             return [t for t, d in self.events if d.startswith(DELTA)]
+        if self.messages:
+            return [t for t, d in self.events if d.startswith(MESSAGES_DELTA) and b'"text_delta"' in d]
         return [t for t, d in self.events if d != b"[DONE]" and not d.startswith(b'{"error"')]
 
     @property

@@ -330,3 +330,25 @@ def test_sessions_by_one_precedence() -> None:
 
 def test_the_billing_option_is_in_the_config() -> None:
     assert MessagesConfig().normalise_billing is True
+
+
+async def test_an_operators_abort_is_answered_in_anthropics_shape(procs: Procs, gateways: list[Any],
+                                                                  http: aiohttp.ClientSession) -> None:
+    """Aborted before its first token (the prefill slow), not streamed: 499 in Anthropic's shape, legs aborted (the
+    oracle found it answered in OpenAI's)."""
+    p, d = procs.pair("--fault", "slow_prefill=3")
+    g = await gateway(gateways, [p], [d])
+
+    async def abort_soon() -> None:
+        await asyncio.sleep(0.3)
+        async with http.post(g.admin + "/v1/requests/job-7/abort") as r:
+            assert r.status == 200, await r.text()
+
+    task = asyncio.create_task(abort_soon())
+    async with http.post(g.url + "/v1/messages", json={"model": "sim-model", "max_tokens": 8, "messages": [
+            {"role": "user", "content": "hi"}]}, headers={"x-request-id": "job-7"}) as r:
+        body = await r.json()
+    await task
+    assert r.status == 499 and body == {"type": "error", "error": {"type": "api_error",
+                                                                   "message": "request aborted by an operator (local)"}}
+    await assert_clean(http, g.gw, [p, d])
