@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from loadtest import agents, bench, storm
+from loadtest import agents, bench, billing, storm
 
 
 def main() -> None:
@@ -13,6 +13,7 @@ def main() -> None:
     bench.add_parser(sub)
     storm.add_parser(sub)
     agents.add_parser(sub)
+    billing.add_parser(sub)
     args = parser.parse_args()
     args.func(args)
 
