@@ -143,6 +143,31 @@ async def test_tool_calls_are_accepted_and_the_agents_sdk_runs_a_turn(pair: Pair
     await clean(pair)
 
 
+async def test_anthropics_messages_api_and_count_tokens_on_the_real_pair(pair: Pair, gw: Running) -> None:
+    """The Anthropic SDK through the gateway: a message and a stream with tools, usage as vLLM counts it, and
+    count_tokens asked of vLLM's own /tokenize (the chat template's count, not an estimate)."""
+    import anthropic
+
+    tools = [{"name": "read_file", "description": "read a file", "input_schema": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+    client = anthropic.AsyncAnthropic(base_url=gw.url, api_key="none", max_retries=0, timeout=60)
+    try:
+        m = await client.messages.create(model=pair.model, messages=MSG, max_tokens=12)  # type: ignore[arg-type]
+        assert m.stop_reason in ("end_turn", "max_tokens") and m.content and m.content[0].type == "text"
+        prompt = m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
+        assert prompt == await direct_prompt_tokens(pair, MSG)
+        raw = await client.messages.with_raw_response.count_tokens(model=pair.model, messages=MSG)  # type: ignore[arg-type]
+        assert "x-pdgate-token-count" not in raw.headers, "vLLM's own count, not an estimate"
+        assert (await raw.parse()).input_tokens == prompt
+        async with client.messages.stream(model=pair.model, messages=MSG, tools=tools,  # type: ignore[arg-type]
+                                          max_tokens=12) as s:
+            final = await s.get_final_message()
+        assert final.stop_reason in ("end_turn", "max_tokens", "tool_use") and final.usage.output_tokens > 0
+    finally:
+        await client.close()
+    await clean(pair)
+
+
 async def test_a_1ms_ttft_budget_is_a_504_and_both_engines_end_clean(pair: Pair, gw: Running) -> None:
     """TTFT budget 1 ms: a 504 naming it, at once; neither engine holds the request within seconds. The prefill's KV
     kept for a decode that never read it is freed by vLLM's own lease (30 s; counted as expired; docs/fidelity.md)."""
