@@ -352,3 +352,25 @@ async def test_an_operators_abort_is_answered_in_anthropics_shape(procs: Procs, 
     assert r.status == 499 and body == {"type": "error", "error": {"type": "api_error",
                                                                    "message": "request aborted by an operator (local)"}}
     await assert_clean(http, g.gw, [p, d])
+
+
+async def test_a_full_queue_is_overloaded_error_with_retry_after_also_for_a_stream(
+        procs: Procs, gateways: list[Any], http: aiohttp.ClientSession) -> None:
+    """What a client should retry later stays an HTTP status (the SDK retries it), in Anthropic's shape."""
+    from pdgate.config import AdmissionConfig
+
+    p, d = procs.pair("--speed", "15")  # 30 tokens take ~2-3 s
+    g = await gateway(gateways, [p], [d], admission=AdmissionConfig(capacity=1, max_queue=1, shed=False))
+    body = {"model": "sim-model", "max_tokens": 30, "messages": [{"role": "user", "content": "hi"}]}
+    blocker = asyncio.create_task(http.post(g.url + "/v1/messages", json=body))
+    await asyncio.sleep(0.3)
+    waiting = asyncio.create_task(http.post(g.url + "/v1/messages", json=body))
+    await asyncio.sleep(0.2)
+    for stream in (False, True):
+        async with http.post(g.url + "/v1/messages", json={**body, "stream": stream}) as r:
+            got = await r.json()
+            assert r.status == 503 and int(r.headers["Retry-After"]) >= 1, (r.status, got)
+        assert got["type"] == "error" and got["error"]["type"] == "overloaded_error", got
+    for t in (blocker, waiting):
+        (await t).release()
+    await assert_clean(http, g.gw, [p, d], within=15)
