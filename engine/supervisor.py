@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import difflib
 import logging
 import os
 import signal
@@ -72,48 +73,109 @@ class Cluster:
     restart_backoff_s: tuple[float, ...] = (0.5, 1, 2, 5, 10)
 
 
-def load_cluster(path: str | Path, allow_unsafe_kernel_profile: bool = False) -> Cluster:
-    with open(path, "rb") as f:
-        data = tomllib.load(f)
-    top = data.get("cluster", {})
-    workers = []
-    names: set[str] = set()
-    for i, w in enumerate(data.get("worker", [])):
-        where = f"{path}: worker[{i}]"
-        allowed = {"name", "engine", "kind", "role", "port", "bootstrap_port", "args", "env"}
-        env = {str(k): str(v) for k, v in w.get("env", {}).items()}
-        if w.get("engine") == "sglang":
+PORT_KEYS = ("port", "bootstrap_port", "side_channel_port")
+
+
+def _port(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 65535
+
+
+def _check_worker(w: Any, where: str, allow_unsafe_kernel_profile: bool) -> tuple[list[str], dict[str, Any], dict[str, str]]:
+    """One ``[[worker]]`` entry's errors (all of them), the entry as the engine's planner reads it, its env."""
+    errs: list[str] = []
+    if not isinstance(w, dict):
+        return [f"{where}: must be a table"], {}, {}
+    allowed = {"name", "engine", "kind", "role", "port", "bootstrap_port", "args", "env"}
+    env: dict[str, str] = {}
+    engine = w.get("engine", "sim")
+    try:
+        if engine == "sglang":
             from engine.sglang.plan import KEYS, environment
 
             allowed = KEYS
             env, _ = environment(w, allow_unsafe_kernel_profile)  # profile + GPUs + env; refuses known-bad knobs
-        elif w.get("engine") == "vllm":
+        elif engine == "vllm":
             from engine.vllm import plan
 
             allowed = plan.KEYS
             env = plan.environment(w)
             w = {**w, "kind": w.get("kind", "vllm")}
-        unknown = set(w) - allowed
-        if unknown:
-            raise ValueError(f"{where}: unknown keys {sorted(unknown)}")
-        if w.get("engine", "sim") not in ENGINES:
-            raise ValueError(f"{where}: engine {w.get('engine')!r} not supported here (supported: {', '.join(ENGINES)})")
-        kind, engine = w.get("kind", "sglang"), w.get("engine", "sim")
-        if kind not in KINDS or (engine != "sim" and kind != {"sglang": "sglang", "vllm": "vllm"}[engine]):
-            raise ValueError(f"{where}: kind must be one of {', '.join(KINDS)} (a real engine speaks its own), got "
-                             f"{w.get('kind')!r}")
-        if w.get("role") not in ("prefill", "decode"):
-            raise ValueError(f"{where}: role must be prefill or decode, got {w.get('role')!r}")
-        if w.get("name") in names or not w.get("name"):
-            raise ValueError(f"{where}: name missing or repeated")
-        names.add(w["name"])
+        elif isinstance(w.get("env", {}), dict):
+            env = {str(k): str(v) for k, v in w.get("env", {}).items()}
+        else:
+            errs.append(f"{where}: env must be a table of strings")
+    except (ValueError, KeyError, TypeError) as exc:
+        errs.append(f"{where}: {exc}")
+    for key in sorted(set(w) - allowed):
+        close = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.6)
+        errs.append(f"{where}: unknown key {key!r}; " + (f"did you mean {close[0]!r}?" if close else
+                                                         f"known: {', '.join(sorted(allowed))}"))
+    if engine not in ENGINES:
+        errs.append(f"{where}: engine {engine!r} not supported here (supported: {', '.join(ENGINES)})")
+    kind = w.get("kind", "sglang")
+    if kind not in KINDS or (engine in ("sglang", "vllm") and kind != engine):
+        errs.append(f"{where}: kind must be one of {', '.join(KINDS)} (a real engine speaks its own), got {kind!r}")
+    if w.get("role") not in ("prefill", "decode"):
+        errs.append(f"{where}: role must be prefill or decode, got {w.get('role')!r}")
+    if "port" not in w:
+        errs.append(f"{where}: port is required")
+    for key in PORT_KEYS:
+        if key in w and not _port(w[key]):
+            errs.append(f"{where}: {key} must be an integer port (1-65535), got {w[key]!r}")
+    if not isinstance(w.get("args", []), list) or not all(isinstance(a, (str, int, float)) for a in w.get("args", [])):
+        errs.append(f"{where}: args must be a list of strings")
+    return errs, w, env
+
+
+def load_cluster(path: str | Path, allow_unsafe_kernel_profile: bool = False, base_port: int | None = None) -> Cluster:
+    """A cluster file, every error at once (each naming its worker, "did you mean" for a misspelt key, types
+    checked); ``base_port``: every worker moved to ports from ``base_port + 10`` (``pdgate up --base-port``)."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
+    top = data.get("cluster", {})
+    errs: list[str] = []
+    for key in sorted(set(data) - {"cluster", "worker"}):
+        errs.append(f"{path}: unknown section [{key}] (a cluster file has [cluster] and [[worker]] entries)")
+    for key in sorted(set(top) - {"log_dir", "ready_timeout_s", "restart_backoff_s"}):
+        close = difflib.get_close_matches(key, ["log_dir", "ready_timeout_s", "restart_backoff_s"], n=1, cutoff=0.6)
+        errs.append(f"{path}: [cluster] unknown key {key!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+    workers = []
+    names: set[str] = set()
+    ports: dict[int, str] = {}
+    for i, w in enumerate(data.get("worker", [])):
+        name = w.get("name") if isinstance(w, dict) else None
+        where = f"{path}: worker {name!r}" if isinstance(name, str) and name else f"{path}: worker[{i}]"
+        if not isinstance(name, str) or not name:
+            errs.append(f"{where}: name is required")
+        elif name in names:
+            errs.append(f"{where}: name repeated")
+        else:
+            names.add(name)
+        bad, w, env = _check_worker(w, where, allow_unsafe_kernel_profile)
+        errs += bad
+        if bad:
+            continue
+        if base_port is not None:
+            w = {**w, "port": base_port + 10 + 2 * i, **({"bootstrap_port": base_port + 11 + 2 * i}
+                                                          if "bootstrap_port" in w or w["role"] == "prefill" else {}),
+                 **({"side_channel_port": base_port + 500 + i} if w.get("engine") == "vllm" else {})}
+        for key in PORT_KEYS:
+            if _port(w.get(key)):
+                if w[key] in ports:
+                    errs.append(f"{where}: {key} {w[key]} is also {ports[w[key]]}")
+                ports[w[key]] = f"worker {w['name']}'s {key}"
         workers.append(WorkerDef(name=w["name"], engine=w.get("engine", "sim"), role=w["role"], port=int(w["port"]),
                                  bootstrap_port=w.get("bootstrap_port", 8998 if w["role"] == "prefill"
                                                       and w.get("engine") != "vllm" else None),
                                  args=tuple(str(a) for a in w.get("args", [])),
                                  env=tuple(env.items()), kind=str(w.get("kind", "sglang")), options=w))
-    if not workers:
-        raise ValueError(f"{path}: no [[worker]] entries")
+    if not data.get("worker"):
+        errs.append(f"{path}: no [[worker]] entries")
+    if errs:
+        raise ValueError("\n".join(errs))
     return Cluster(tuple(workers), Path(top.get("log_dir", "logs")), float(top.get("ready_timeout_s", 30)),
                    tuple(float(x) for x in top.get("restart_backoff_s", (0.5, 1, 2, 5, 10))))
 

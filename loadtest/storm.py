@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import re
 import time
@@ -29,7 +28,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from loadtest.output import pyplot, verdict_command
-from pdgate.cli import admin_key
+from pdgate.cli import admin_default, admin_key, started
 
 GAUGE = "num_prefill_inflight_queue_reqs"
 FORCE_FAILS = "num_prefill_inflight_timeout_reqs_total"
@@ -231,9 +230,12 @@ def plot(out: dict[str, Any], path: Path) -> None:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("storm", help="the seed's verification protocol: baseline, abort storm, monitor, verdict")
-    p.add_argument("--gateway", required=True)
-    p.add_argument("--admin", default=os.environ.get("PDGATE_ADMIN_URL", "http://127.0.0.1:30002"),
-                   help="the gateway's admin plane (workers, restart; env PDGATE_ADMIN_URL)")
+    up = started()  # a `pdgate up` run from this directory: found with no flag
+    p.add_argument("--gateway", default=up["front"] if up else None, required=up is None,
+                   help="the gateway's front door (default: where a `pdgate up` run from this directory listens)")
+    p.add_argument("--admin", default=admin_default()[0],
+                   help="the gateway's admin plane (workers, restart; env PDGATE_ADMIN_URL, else the `pdgate up` "
+                   "run from this directory)")
     p.add_argument("--admin-key", help="the admin key (as the pdgate CLI finds it when not given)")
     p.add_argument("--prefill-metrics", action="append", default=[], metavar="URL",
                    help="a prefill's /metrics URL (repeatable; default: found through the admin plane's /v1/workers)")

@@ -33,7 +33,7 @@ from pdgate.server import build_app, serve
 
 log = logging.getLogger("pdgate")
 DEFAULT_ADMIN = "http://127.0.0.1:30002"
-LOCAL_ADMIN_KEY = Path(".pdgate/admin.key")  # where `pdgate up` writes the admin key it makes
+LOCAL_ADMIN_KEY, UP_FILE = config.LOCAL_ADMIN_KEY, config.UP_FILE
 
 
 class HELP(argparse.ArgumentDefaultsHelpFormatter):
@@ -63,10 +63,50 @@ def _workers_flag(p: argparse.ArgumentParser) -> None:
                    "set through the store: [store] url, or a redis-server the supervisor runs")
 
 
+def started(directory: Path | None = None) -> dict[str, Any] | None:
+    """What a running ``pdgate up`` wrote of itself (``UP_FILE``: its front door, admin plane and pid) in
+    ``directory`` (default: beside the admin key it made, ``.pdgate/``, or ``PDGATE_ADMIN_KEY_FILE``'s); None when
+    there is none or its process is gone."""
+    if directory is None:
+        key_file = os.environ.get("PDGATE_ADMIN_KEY_FILE")
+        directory = Path(key_file).parent if key_file else LOCAL_ADMIN_KEY.parent
+    try:
+        got = json.loads((directory / UP_FILE).read_text())
+        os.kill(int(got["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return got if isinstance(got.get("admin"), str) and isinstance(got.get("front"), str) else None
+
+
+def admin_default() -> tuple[str, str]:
+    """The admin plane the operator commands talk to without ``--admin``, and where that came from."""
+    if os.environ.get("PDGATE_ADMIN_URL"):
+        return os.environ["PDGATE_ADMIN_URL"], "PDGATE_ADMIN_URL"
+    up = started()
+    if up is not None:
+        return up["admin"], f"written by pdgate up (pid {up['pid']}) in {LOCAL_ADMIN_KEY.parent / UP_FILE}"
+    return DEFAULT_ADMIN, "the default"
+
+
+def _routing_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--policy", choices=config.POLICIES, help="worker choice for both roles (default least_loaded; "
+                   "session and cache_aware choose the prefill, the decode then goes by least_loaded)")
+    p.add_argument("--prefill-policy", choices=config.POLICIES, help="the prefill's choice (default: --policy)")
+    p.add_argument("--decode-policy", choices=config.LOAD_POLICIES, help="the decode's choice (default: --policy)")
+    p.add_argument("--max-attempts", type=int, help="attempts per request, 1..9 (config default 3)")
+
+
+def routing_flags(args: argparse.Namespace) -> dict[str, Any]:
+    return {"policy": args.policy, "prefill_policy": args.prefill_policy, "decode_policy": args.decode_policy,
+            "max_attempts": args.max_attempts}
+
+
 def _admin_flags(p: argparse.ArgumentParser) -> None:
-    default = os.environ.get("PDGATE_ADMIN_URL") or os.environ.get("PDGATE_GATEWAY") or DEFAULT_ADMIN
-    p.add_argument("--admin", "--gateway", dest="admin", default=default,
-                   help="the admin plane: http://host:port or unix:/path (env PDGATE_ADMIN_URL or PDGATE_GATEWAY)")
+    url, source = admin_default()
+    p.add_argument("--admin", dest="admin", default=url,
+                   help="the admin plane: http://host:port or unix:/path (env PDGATE_ADMIN_URL; else where a "
+                   f"`pdgate up` run from this directory listens; now: {url}, {source})")
+    p.set_defaults(admin_source=source)
     p.add_argument("--admin-key", help="the admin key (env PDGATE_ADMIN_KEY, PDGATE_ADMIN_KEY_FILE, or "
                    f"{LOCAL_ADMIN_KEY} as `pdgate up` writes it)")
     p.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
@@ -83,11 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
                    help="a prefill worker and its bootstrap port (repeatable)")
     p.add_argument("--decode", action="append", default=[], metavar="URL", help="a decode worker (repeatable)")
-    p.add_argument("--policy", choices=config.POLICIES, help="worker choice for both roles (default least_loaded; "
-                   "session and cache_aware choose the prefill, the decode then goes by least_loaded)")
-    p.add_argument("--prefill-policy", choices=config.POLICIES, help="the prefill's choice (default: --policy)")
-    p.add_argument("--decode-policy", choices=config.LOAD_POLICIES, help="the decode's choice (default: --policy)")
-    p.add_argument("--max-attempts", type=int, help="attempts per request, 1..9 (config default 3)")
+    _routing_flags(p)
     p.add_argument("--model-alias", action="append", default=[], metavar="PATTERN=MODEL",
                    help='client model names served by a served model, e.g. "claude-*=my-model" (repeatable; config '
                    '[models."claude-*"] served_by)')
@@ -96,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("up", help="start the workers of a cluster file and the gateway in front of them",
                        formatter_class=HELP)
     _add_gateway_flags(p)
+    _routing_flags(p)
+    p.add_argument("--base-port", type=int, metavar="N",
+                   help="move everything at once: the gateway on N, its admin plane on N+1, the cluster's workers "
+                   "from N+10 (each: port, then bootstrap port)")
     p.add_argument("--cluster", default="config/cluster.sim.toml",
                    help="the cluster file (outside a checkout, the default is the example packaged with pdgate); "
                    "worker logs go to <its log_dir>/pdgate-<port>/")
@@ -166,9 +206,8 @@ def build_config(args: argparse.Namespace) -> config.GatewayConfig:
     store = getattr(args, "store", None) or os.environ.get(multi.ENV_STORE)
     if store:
         cfg = config.validate(dataclasses.replace(cfg, store=dataclasses.replace(cfg.store, url=store)))
-    return config.override(cfg, host=args.host, port=args.port, policy=args.policy, max_attempts=args.max_attempts,
-                           prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
-                           prefill=tuple(prefill) or None, decode=tuple(decode) or None, **admin_flags(args))
+    return config.override(cfg, host=args.host, port=args.port, prefill=tuple(prefill) or None,
+                           decode=tuple(decode) or None, **routing_flags(args), **admin_flags(args))
 
 
 def admin_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -224,9 +263,10 @@ class UnixConnection(http.client.HTTPConnection):
 class AdminClient:
     """The admin plane, as the CLI reaches it."""
 
-    def __init__(self, url: str, key: str | None) -> None:
+    def __init__(self, url: str, key: str | None, source: str = "--admin") -> None:
         self.url = url.rstrip("/")
         self.key = key
+        self.source = source  # where the URL came from (said when it cannot be reached)
 
     def _connection(self) -> http.client.HTTPConnection:
         if self.url.startswith("unix:"):
@@ -244,7 +284,9 @@ class AdminClient:
             r = conn.getresponse()
             raw = r.read()
         except OSError as exc:
-            raise SystemExit(f"pdgate: cannot reach the admin plane at {self.url}: {exc}") from None
+            raise SystemExit(f"pdgate: cannot reach the admin plane at {self.url} ({self.source}): {exc}. Name "
+                             "it with --admin URL or PDGATE_ADMIN_URL (a `pdgate up` run from this directory is "
+                             "found by itself)") from None
         finally:
             conn.close()
         try:
@@ -275,7 +317,8 @@ def admin_key(flag: str | None) -> str | None:
 
 def operator_command(args: argparse.Namespace) -> None:
     console = Console()
-    gw = AdminClient(args.admin, admin_key(args.admin_key))
+    gw = AdminClient(args.admin, admin_key(args.admin_key),
+                     args.admin_source if args.admin == admin_default()[0] else "--admin")
     if args.cmd == "ps":
         q = "&".join(f"{k}={v}" for k, v in (("phase", args.phase), ("worker", args.worker), ("min_age_s", args.min_age))
                      if v is not None)
@@ -383,8 +426,15 @@ def main(argv: list[str] | None = None) -> None:
         else:
             from pdgate.up import run_up  # the one place the gateway meets engine/
 
-            uvloop.run(run_up(args.cluster, args.config, args.host, args.port, args.allow_unsafe_kernel_profile,
-                              admin_flags(args), Path(args.admin_key_file), args.workers, args.log_level))
+            port, flags = args.port, {**admin_flags(args), **routing_flags(args)}
+            if args.base_port is not None:
+                if not 1 <= args.base_port <= 65535 - 100:
+                    raise config.ConfigError("--base-port", args.base_port, "must leave room for 100 ports below 65536")
+                port = port or args.base_port
+                if flags["admin_port"] is None and flags["admin_socket"] is None:
+                    flags["admin_port"] = args.base_port + 1
+            uvloop.run(run_up(args.cluster, args.config, args.host, port, args.allow_unsafe_kernel_profile,
+                              flags, Path(args.admin_key_file), args.workers, args.log_level, args.base_port))
     except (config.ConfigError, ValueError) as exc:
         parser.exit(2, f"pdgate: {exc}\n")
 

@@ -67,6 +67,10 @@ class Errors:
             raise ConfigErrors(self.found, where)
 
 
+LOCAL_ADMIN_KEY = Path(".pdgate/admin.key")  # the admin key `pdgate up` makes when none is configured; the CLI reads it
+UP_FILE = "up.json"  # beside it: where a running `pdgate up` listens (front, admin) and its pid
+
+
 def did_you_mean(word: str, known: Any) -> str:
     close = difflib.get_close_matches(word, sorted(known), n=1, cutoff=0.6)
     return f"did you mean {close[0]!r}?" if close else f"known: {', '.join(sorted(known))}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ from h1lite.server import unix_socket_live
 from pdgate import auth, config, multi
 from pdgate.server import build_app, serve
 
-LOCAL_ADMIN_KEY = Path(".pdgate/admin.key")  # the CLI looks here too (pdgate.cli)
+LOCAL_ADMIN_KEY, UP_FILE = config.LOCAL_ADMIN_KEY, config.UP_FILE
 DEFAULT_CLUSTER = "config/cluster.sim.toml"
 EXAMPLE_CLUSTER = Path(__file__).parent / "examples" / "cluster.sim.toml"  # packaged: `pdgate up` works anywhere
 
@@ -44,9 +45,10 @@ def check_ports(cfg: config.GatewayConfig, cluster: Cluster) -> None:
                 taken.append(f"worker {w.name} {what} {port}")
     if taken:
         raise config.ConfigError("--cluster", ", ".join(taken), "in use: is this cluster already up? Stop it, or "
-                                 "give another cluster file whose ports are free")
+                                 "move everything with --base-port N (the gateway on N, the workers from N+10)")
     if not multi.port_free(cfg.host, cfg.port):
-        raise config.ConfigError("--port", cfg.port, "cannot listen there: in use (choose another with --port)")
+        raise config.ConfigError("--port", cfg.port, "cannot listen there: in use (choose another with --port, or "
+                                 "move everything with --base-port N)")
     if cfg.admin_socket is not None and unix_socket_live(cfg.admin_socket):
         raise config.ConfigError("--admin-socket", cfg.admin_socket, "another server listens there (choose another "
                                  "with --admin-socket)")
@@ -77,6 +79,17 @@ def with_agent_aliases(cfg: config.GatewayConfig, model: str) -> config.GatewayC
         return cfg
     aliases = {p: config.Budgets(served_by=model) for p in AGENT_MODELS}
     return dataclasses.replace(cfg, models={**cfg.models, **aliases})
+
+
+def write_up_file(directory: Path, front: str, admin: str) -> Path:
+    """Where this ``pdgate up`` listens, beside the admin key it made (``pdgate.cli.UP_FILE``): the operator
+    commands and the load tests run from the same directory find it with no flag. Removed when it stops."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = directory / UP_FILE
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"front": front, "admin": admin, "pid": os.getpid()}) + "\n")
+    tmp.replace(path)
+    return path
 
 
 def per_instance(cluster: Cluster, port: int) -> Cluster:
@@ -134,6 +147,9 @@ def serve_argv(cfg: config.GatewayConfig, config_path: str | None, key_file: Pat
     argv = ["serve", "--host", cfg.host, "--port", str(cfg.port), "--admin-host", cfg.admin_host,
             "--admin-port", str(cfg.admin_port), "--log-level", log_level]
     argv += ["--config", config_path] if config_path else []
+    argv += ["--policy", cfg.policy, "--max-attempts", str(cfg.max_attempts)]  # as up was given them
+    argv += ["--prefill-policy", cfg.prefill_policy] if cfg.prefill_policy else []
+    argv += ["--decode-policy", cfg.decode_policy] if cfg.decode_policy else []
     argv += ["--admin-key-file", str(key_file)] if key_file else []
     argv += ["--log-format", log_format] if log_format else []
     for w in cfg.prefill:
@@ -148,8 +164,9 @@ def serve_argv(cfg: config.GatewayConfig, config_path: str | None, key_file: Pat
 
 async def run_up(cluster_path: str, config_path: str | None, host: str | None, port: int | None,
                  allow_unsafe_kernel_profile: bool = False, admin: dict[str, Any] | None = None,
-                 admin_key_file: Path = LOCAL_ADMIN_KEY, workers: int = 1, log_level: str = "INFO") -> None:
-    cluster = load_cluster(cluster_file(cluster_path), allow_unsafe_kernel_profile)
+                 admin_key_file: Path = LOCAL_ADMIN_KEY, workers: int = 1, log_level: str = "INFO",
+                 base_port: int | None = None) -> None:
+    cluster = load_cluster(cluster_file(cluster_path), allow_unsafe_kernel_profile, base_port)
     base = with_agent_aliases(config.load(config_path), served_model(cluster))
     planned = config.override(base, host=host, port=port, **(admin or {}))
     multi.check(planned, workers)
@@ -161,6 +178,7 @@ async def run_up(cluster_path: str, config_path: str | None, host: str | None, p
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     runner = None
+    up_file: Path | None = None
     try:
         starting = asyncio.create_task(sup.start())
         await asyncio.wait({starting, asyncio.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
@@ -186,11 +204,13 @@ async def run_up(cluster_path: str, config_path: str | None, host: str | None, p
             runner = await serve(app, cfg.host, cfg.port)
             admin_url = app.admin_url
         url = f"http://{cfg.host}:{cfg.port}"
+        up_file = write_up_file(admin_key_file.parent, url, admin_url)
         key_note = f"key in {key_file}, where the CLI finds it" if key_file else "admin key from your config"
         procs = f"; {workers} gateway processes" if workers > 1 else ""
         print(f"pdgate is up: {url}  ({len(cfg.prefill)} prefill + {len(cfg.decode)} decode workers{procs}; logs in "
               f"{cluster.log_dir}/)\n"
               f"  admin plane: {admin_url} ({key_note})\n"
+              + (f"  dashboard: {admin_url}/dashboard\n" if admin_url.startswith("http") else "") +
               f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
               + ("    -H 'Authorization: Bearer <a client key>' \\\n" if cfg.keys else "") +
               f"""    -d '{{"model":"{served_model(cluster)}","messages":[{{"role":"user","content":"say hi"}}],"""
@@ -205,6 +225,8 @@ async def run_up(cluster_path: str, config_path: str | None, host: str | None, p
         else:
             await stop.wait()
     finally:
+        if up_file is not None:
+            up_file.unlink(missing_ok=True)
         if runner is not None:
             await runner.cleanup()
         await sup.stop()

@@ -91,8 +91,26 @@ def test_cluster_file_errors_are_clear(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"a real engine speaks its own"):
         load_cluster(bad)
     bad.write_text('[[worker]]\nname = "x"\nengine = "vllm"\nrole = "decode"\nport = 1\ngpus = [0]\n')
-    with pytest.raises(ValueError, match=r"unknown keys \['gpus'\]"):
+    with pytest.raises(ValueError, match=r"worker 'x': unknown key 'gpus'"):
         load_cluster(bad)
+    # every error at once, each naming its worker; a misspelt key gets "did you mean"; a port must be an integer
+    bad.write_text('[[worker]]\nname = "p"\nrol = "prefill"\nport = "47010"\n'
+                   '[[worker]]\nname = "d"\nrole = "decode"\nport = 47012\n'
+                   '[[worker]]\nname = "d"\nrole = "decode"\nport = 47012\n')
+    with pytest.raises(ValueError) as e:
+        load_cluster(bad)
+    lines = str(e.value).splitlines()
+    assert f"{bad}: worker 'p': unknown key 'rol'; did you mean 'role'?" in lines
+    assert f"{bad}: worker 'p': port must be an integer port (1-65535), got '47010'" in lines
+    assert f"{bad}: worker 'd': name repeated" in lines
+    assert f"{bad}: worker 'd': port 47012 is also worker d's port" in lines
+    # --base-port moves every worker (and the packaged clusters do not collide)
+    moved = load_cluster(ROOT / "config/cluster.sim.toml", base_port=47000)
+    assert [(w.port, w.bootstrap_port) for w in moved.workers] == [(47010, 47011), (47012, 47013), (47014, None),
+                                                                   (47016, None)]
+    ports = [p for f in ("cluster.sim.toml", "cluster.vllm-sim.toml", "cluster.vllm-cpu.toml")
+             for w in load_cluster(ROOT / "config" / f).workers for p in (w.port, w.bootstrap_port) if p]
+    assert len(ports) == len(set(ports)), "the packaged clusters may run side by side"
 
 
 def cli(admin: str, *args: str, key_file: Path | None = None, check: bool = True) -> str:
@@ -209,6 +227,42 @@ def test_up_from_any_directory_runs_the_packaged_example(procs: Procs, tmp_path:
     assert (tmp_path / ".pdgate" / "admin.key").exists()
 
 
+def test_base_port_moves_everything_and_the_cli_and_storm_find_it_with_no_flag(procs: Procs, tmp_path: Path) -> None:
+    """A newcomer's path: ``pdgate up --base-port N --policy session`` from a directory, then the operator commands
+    and the storm from the same directory with no flag; the banner names the dashboard; a stopped up's file goes."""
+    from pdgate.multi import port_free
+
+    base = next(b for b in (free_port() // 100 * 100 for _ in range(50))
+                if b > 1024 and all(port_free("127.0.0.1", b + i) for i in range(20)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PDGATE_")}
+    up = procs.spawn([sys.executable, "-m", "pdgate", "up", "--cluster", str(ROOT / "config/cluster.sim.toml"),
+                      "--base-port", str(base), "--policy", "session"], name="pdgate-up-base", cwd=tmp_path, env=env)
+    gw, admin = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
+    wait_http(gw + "/readiness", timeout=90, proc=up.popen)
+    workers = get(admin + "/v1/workers", (tmp_path / ".pdgate/admin.key").read_text().strip())["workers"]
+    assert sorted(w["url"] for w in workers) == [f"http://127.0.0.1:{base + p}" for p in (10, 12, 14, 16)]
+    assert json.loads((tmp_path / ".pdgate/up.json").read_text()) == {"front": gw, "admin": admin,
+                                                                      "pid": up.popen.pid}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                              env={**env, "PYTHONPATH": str(ROOT), "COLUMNS": "120"})
+
+    for args in (("pdgate", "workers"), ("pdgate", "ps"), ("pdgate", "top", "--iterations", "1")):
+        out = run(*args)
+        assert out.returncode == 0, out
+        assert args[1] == "ps" or f"127.0.0.1:{base + 10}" in out.stdout, out.stdout
+    storm = run("loadtest", "storm", "--iterations", "2", "--instances", "1", "--window", "6", "--watchdog", "2",
+                "--grace", "1")
+    assert storm.returncode == 0, storm.stdout[-3000:]
+    assert f"dashboard: {admin}/dashboard" in up.log.read_text()
+    up.popen.send_signal(signal.SIGINT)
+    up.popen.wait(30)
+    assert not (tmp_path / ".pdgate/up.json").exists()
+    out = run("pdgate", "ps")
+    assert out.returncode != 0 and "--admin URL or PDGATE_ADMIN_URL" in out.stderr, out.stderr
+
+
 def test_cli_reads_at_80_columns_and_in_a_pipe(procs: Procs, tmp_path: Path) -> None:
     port, admin_port = free_port(), free_port()
     up = procs.spawn(up_command(tmp_path, port, admin_port), name="pdgate-up")
@@ -217,8 +271,10 @@ def test_cli_reads_at_80_columns_and_in_a_pipe(procs: Procs, tmp_path: Path) -> 
     _, _, headers = post(gw + "/v1/chat/completions", {"model": "sim-model", "messages": [
         {"role": "user", "content": "say hi"}], "max_tokens": 4})
     rid = headers["x-request-id"]
-    env = {**os.environ, "COLUMNS": "80", "PDGATE_GATEWAY": admin, "PDGATE_ADMIN_KEY_FILE": str(tmp_path / "admin.key")}
+    # no admin URL given: the CLI finds it where up wrote it, beside the admin key (tmp_path/up.json)
+    env = {**os.environ, "COLUMNS": "80", "PDGATE_ADMIN_KEY_FILE": str(tmp_path / "admin.key")}
     env.pop("PDGATE_ADMIN_URL", None)
+    assert json.loads((tmp_path / "up.json").read_text())["admin"] == admin
 
     def run(*args: str, columns: str = "80") -> str:
         out = subprocess.run([sys.executable, "-m", "pdgate", *args], cwd=ROOT, capture_output=True, text=True,
