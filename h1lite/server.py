@@ -236,6 +236,12 @@ class Router:
                 return
         self.patterns.append((rx, {method: handler}))
 
+    def paths(self) -> list[str]:
+        """Every path this router serves (patterns as written, ``{name}`` for a segment), sorted."""
+        shown = [re.sub(r"\(\?P<(\w+)>\[\^/\]\+\)", r"{\1}", rx.pattern[1:-1]).replace("\\", "")
+                 for rx, _ in self.patterns]
+        return sorted({*self.exact, *shown})
+
     def resolve(self, req: Request) -> Handler:
         methods = self.exact.get(req.path)
         if methods is None:
@@ -246,7 +252,7 @@ class Router:
                     methods = m
                     break
         if methods is None:
-            raise NotFound(f"{req.method} {req.path}: Not Found")
+            raise NotFound(f"{req.method} {req.path}: Not Found; served here: {', '.join(self.paths())}")
         handler = methods.get(req.method) or (methods.get("GET") if req.method == "HEAD" else None)
         if handler is None:
             raise ProtocolError(405, f"{req.method} {req.path}: Method Not Allowed (allowed: {', '.join(sorted(methods))})",

@@ -100,7 +100,8 @@ def refused(app: App) -> Callable[[Request, HTTPError], None]:
     fmt = app.cfg.log_format
 
     def log_refusal(request: Request, exc: HTTPError) -> None:
-        if (request.path in GENERATION or request.path in (RESPONSES, anthropic.MESSAGES)) and access_log.enabled():
+        if (request.path in GENERATION or request.path in (RESPONSES, anthropic.MESSAGES) or exc.status == 404) \
+                and access_log.enabled():  # a generation request refused, or a path nobody serves
             tenant = request.state.name if isinstance(request.state, Tenant) else None
             access_log.emit(access_log.refused_fields(request.path, exc.status, exc.code, tenant,
                                                       time.monotonic() - request.started), fmt)

@@ -37,7 +37,7 @@ def layout(title: str, cols: list[str], rows: list[list[Any]], width: int | None
     """Rows that never lose a value. As a table when it fits ``width``: the id column keeps its width, numbers are
     never split, the others wrap (``fold``); none ends in an ellipsis; no vertical rules (80 columns hold a
     37-character id and the rest). Where even that does not fit (a long id or URL, --wide at 80 columns), one
-    record per row: the id on its line, then every column as "name value", wrapped between values."""
+    record per row: the id on its line, then every column as "name: value", wrapped between values."""
     cells = [[c if isinstance(c, Text) else Text(str(c)) for c in row] for row in rows]
     heads = [HEADERS.get(c, c) for c in cols]
 
@@ -62,7 +62,7 @@ def layout(title: str, cols: list[str], rows: list[list[Any]], width: int | None
         parts.append(row[0])
         rest = Text("  ")
         for head, cell in zip(heads[1:], row[1:], strict=True):
-            rest.append(f"{head.replace(' ', '_')} ", style="dim")
+            rest.append(f"{head}: ", style="dim")
             rest.append_text(cell)
             rest.append("  ")
         parts.append(rest)
@@ -91,8 +91,8 @@ def workers_table(data: dict[str, Any], wide: bool = False, width: int | None = 
     ws = data.get("workers", [])
     cols = ["id", "role", "url", "state", "load", "restarts", "engine queues"]
     if wide:
-        cols += ["limit", "kind", "limit from (learned: baseline/latency/target ms, moves)", "identity", "fixes",
-                 "orphans", "drift", "gone gateways' rids aborted", "last error"]
+        cols += ["limit", "kind", "limit from", "identity", "fixes", "orphans", "drift", "gone rids aborted",
+                 "last error"]
     rows = []
     for w in ws:
         state = "degraded" if w["degraded"] else ("up" if w["healthy"] else "down")
@@ -114,12 +114,16 @@ def workers_table(data: dict[str, Any], wide: bool = False, width: int | None = 
                     _s(" ".join(f"{k}:{v}" for k, v in (w.get("reaped") or {}).items()) or "-"),
                     _s(w.get("last_error"))]
         rows.append(row)
-    return layout("workers", cols, rows, width)
+    title = ("workers (limit from: set, engine, or learned as baseline/latency/target ms and its last moves; gone "
+             "rids aborted: a stopped gateway's requests this worker held)" if wide else "workers")
+    return layout(title, cols, rows, width)
 
 
 def learned_line(lv: dict[str, Any]) -> str:
     """A learned limit's inputs and its last moves, in one cell."""
     moves = " ".join(str(h["limit"]) for h in lv.get("history", [])[-6:])
+    if lv.get("baseline_ms") is None and not moves:
+        return "learned, nothing measured yet"
     return (f"{lv.get('baseline_ms')}/{lv.get('latency_ms')}/{lv.get('target_ms')}"
             + (f" q={lv['engine_waiting']}" if lv.get("engine_waiting") is not None else "")
             + (f"; {moves}" if moves else ""))

@@ -44,10 +44,14 @@ async def test_one_line_per_request_with_what_ended_it(procs: Procs, http: aioht
         assert r.status == 400
     async with http.post(g.url + "/v1/chat/completions", json=CHAT) as r:
         assert r.status == 401
+    async with http.post(g.url + "/v1/chat/completion", json=CHAT, headers=auth) as r:  # a typo: the 404 helps
+        msg = (await r.json())["error"]["message"]
+        assert r.status == 404 and "served here: " in msg and "/v1/chat/completions" in msg and "/v1/messages" in msg
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "pdgate.access"]
-    assert len(lines) == 4, lines
+    assert len(lines) == 5, lines
     parsed = [json.loads(x) if fmt == "json" else fields(x) for x in lines]
-    ok, late, bad, anon = parsed
+    ok, late, bad, anon, lost = parsed
+    assert lost["outcome"] == "refused" and str(lost["status"]) == "404" and lost["route"] == "/v1/chat/completion"
     assert ok["id"] == ok_id and ok["status"] in (200, "200") and ok["outcome"] == "completed"
     assert ok["tenant"] == "team-a" and ok["prefill"] == "p0" and ok["decode"] == "d0"
     assert str(ok["completion_tokens"]) == "3" and str(ok["attempts"]) == "1"
