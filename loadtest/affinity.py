@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadtest import agents
-from loadtest.output import pyplot, write
+from loadtest.output import pyplot, save, write
 from loadtest.procs import Proc, free_port, require_router, wait_http, worker_tables
 
 POLICIES = ("round_robin", "least_loaded", "session", "cache_aware")
@@ -204,7 +204,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"agents --compare: {out['sessions']} sessions x {out['rounds']} rounds, {out['prefills']} prefills: "
                  f"{out['ratios']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 def main(a: argparse.Namespace) -> None:

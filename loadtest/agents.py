@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from loadtest.output import pyplot, verdict_command
+from loadtest.output import pyplot, save, verdict_command
 
 WORDS = "alpha beta gamma delta file line error value result test build log path query row column".split()
 
@@ -289,7 +289,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
     ax[1].legend(fontsize=7)
     fig.suptitle(f"agents: {out['verdict']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 def add_parser(sub: Any) -> None:

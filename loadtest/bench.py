@@ -46,7 +46,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from loadtest import overload, streams
-from loadtest.output import pyplot, write
+from loadtest.output import pyplot, save, write
 from loadtest.procs import Proc, Stack, cpu_seconds, free_port, require_router, wait_http
 from pdgate.views import layout
 
@@ -306,7 +306,7 @@ def plot(summary: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
     for ax in axes:
         ax.legend(fontsize=6, loc="best")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 def targets_run(a: argparse.Namespace) -> dict[str, Any]:

@@ -23,11 +23,24 @@ def pyplot(path: Path) -> Any:
     return plt
 
 
+def save(fig: Any, path: Path, dpi: int = 110) -> None:
+    """Save a figure; an axis with nothing drawn says "no data" rather than showing an empty -0.04..0.04 range."""
+    for ax in fig.axes:
+        drawn = [ln for ln in ax.get_lines() if len(ln.get_xdata()) > 2 or ln.get_linestyle() == "-"]
+        if not drawn and not ax.patches and not ax.collections:
+            ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", va="center", color="grey")
+            ax.set_ylim(0, 1)
+    fig.savefig(path, dpi=dpi)
+
+
 def write(out: dict[str, Any], path: str | Path, plot: Callable[[dict[str, Any], Path], None]) -> None:
+    """The results as JSON at ``path`` and the plot beside it; says where both went (stderr)."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(out, indent=2))
-    plot(out, p.with_suffix(".png"))
+    png = p.with_suffix(".png")
+    plot(out, png)
+    print(f"wrote {p}" + (f" and {png}" if png.exists() else ""), file=sys.stderr)
 
 
 def verdict_exit(out: dict[str, Any]) -> None:

@@ -45,7 +45,7 @@ import aiohttp
 import uvloop
 from rich.console import Console
 
-from loadtest.output import pyplot, write
+from loadtest.output import pyplot, save, write
 from loadtest.procs import Proc, free_port, require_router, wait_http, worker_tables
 from pdgate.views import layout
 
@@ -264,7 +264,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"overload: capacity {out['capacity_rps']} req/s, ttft budget {out['ttft_s']} s, total {out['total_s']} s",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 async def limit_series(admin: str, until: float, into: list[tuple[float, int | None]]) -> None:
@@ -375,7 +375,7 @@ def plot_change(out: dict[str, Any], path: Path) -> None:
     axes[1].set_ylabel("limit (requests on the prefill)")
     axes[1].set_title("the prefill's learned limit, read from /v1/workers", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from loadtest.output import pyplot, verdict_command
+from loadtest.output import pyplot, save, verdict_command
 from pdgate.cli import admin_default, admin_key, started
 
 GAUGE = "num_prefill_inflight_queue_reqs"
@@ -183,8 +183,11 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     checks = [
         ("baseline probe", probe0.get("status") == 200, f"status {probe0.get('status')} in {probe0['seconds']}s"),
         ("pins cleared by watchdog + grace", pins_cleared,
-         f"peak {peak:g} during the storm; after t={deadline:g}s: "
-         + (", ".join(f"{(s[u] or 0):g}" for s in after[-1:] for u in metrics_urls) if after else "no samples (window too short)")),
+         f"the prefills' inflight queues peaked at {peak:g} requests during the storm; after the watchdog + grace "
+         f"line (t={deadline:g}s) "
+         + (f"{len(after)} samples, the last: " + ", ".join(
+             f"{short_url(u)} {(s[u] or 0):g} (baseline {(baseline[u] or 0):g})" for s in after[-1:] for u in metrics_urls)
+            if after else "no samples (the window is too short: --window)")),
         ("every client request terminal", not hung, f"{len(results)} requests, {len(hung)} hung"),
         ("final probe", probe1.get("status") == 200, f"status {probe1.get('status')} in {probe1['seconds']}s"),
     ]
@@ -197,6 +200,11 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def short_url(u: str) -> str:
+    """A /metrics URL as its host:port."""
+    return u.split("://", 1)[-1].split("/", 1)[0]
+
+
 def report(console: Console, out: dict[str, Any]) -> None:
     t = Table(title=f"storm verdict: {out['verdict']}")
     t.add_column("check")
@@ -204,7 +212,12 @@ def report(console: Console, out: dict[str, Any]) -> None:
     t.add_column("detail")
     for c in out["checks"]:
         t.add_row(c["check"], "[green]ok[/]" if c["ok"] else "[red]FAILED[/]", c["detail"])
-    t.add_row("force-fail events (engine watchdog)", "info", f"{out['force_fails']:g}")
+    for m in out["marks"]:
+        if m["event"].startswith("restart"):
+            t.add_row("decode restarted mid-storm", "info", f"{m['event'].removeprefix('restart ')} at "
+                      f"t={m['t']:.1f}s (--restart-decode)")
+    t.add_row("force-fail events (engine watchdog)", "info", f"{out['force_fails']:g} (requests the engines' own "
+              "watchdog failed)")
     t.add_row("client outcomes", "info", ", ".join(f"{k}={v}" for k, v in out["outcomes"].items()))
     console.print(t)
 
@@ -216,16 +229,21 @@ def plot(out: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 4))
     for u in out["prefill_metrics"]:
         ax.step([s["t"] for s in out["samples"]], [s[u] or 0 for s in out["samples"]], where="post", label=u)
-    for m in out["marks"]:
+    if not out["samples"]:
+        ax.text(0.5, 0.5, "no samples", transform=ax.transAxes, ha="center", va="center")
+    top = max((v or 0 for smp in out["samples"] for k, v in smp.items() if k != "t"), default=0) or 1
+    ax.set_ylim(0, top * 1.25)
+    for i, m in enumerate(out["marks"]):  # staggered: marks close in time do not print over each other
         ax.axvline(m["t"], color="grey", linestyle=":", linewidth=1)
-        ax.annotate(m["event"], (m["t"], 0), rotation=90, fontsize=7, va="bottom")
+        ax.annotate(m["event"], (m["t"], top * (1.02 + 0.08 * (i % 3))), fontsize=7, ha="left", va="bottom",
+                    xytext=(2, 0), textcoords="offset points")
     ax.axvline(out["watchdog_line"], color="red", linestyle="--", label="watchdog + grace")
     ax.set_xlabel("time since the baseline (s)")
     ax.set_ylabel("prefill inflight queue (requests)")
     ax.set_title(f"storm: {out['verdict']}")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 def add_parser(sub: Any) -> None:

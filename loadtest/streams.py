@@ -43,7 +43,7 @@ from rich.console import Console
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
-from loadtest.output import pyplot, write
+from loadtest.output import pyplot, save, write
 from loadtest.procs import Proc, Stack, cpu_seconds, free_port, require_router, tree, wait_http, worker_tables
 from loadtest.streamclient import raise_nofile
 
@@ -396,7 +396,7 @@ def plot(out: dict[str, Any], path: Path) -> None:
     fig.suptitle(f"{out.get('tokens_per_s', 0):g} tokens/s per stream through each target, on the same paced fake engines",
                  fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save(fig, path)
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:

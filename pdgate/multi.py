@@ -214,10 +214,11 @@ class ProcessGroup:
             raise ConfigError("--workers", self.n, "the processes share their state through Redis: install "
                               "Debian's redis-server package (apt-get install redis-server), or set [store] url")
         sock = self.dir / "redis.sock"
+        # its banner and warnings go to a log file of its own, not the operator's console
         self.redis = await asyncio.create_subprocess_exec(
             exe, "--port", "0", "--unixsocket", str(sock), "--unixsocketperm", "700", "--save", "", "--appendonly",
-            "no", "--daemonize", "no", "--loglevel", "warning", stdin=asyncio.subprocess.DEVNULL,
-            preexec_fn=die_with_parent)
+            "no", "--daemonize", "no", "--loglevel", "warning", "--logfile", str(self.dir / "redis.log"),
+            stdin=asyncio.subprocess.DEVNULL, preexec_fn=die_with_parent)
         self.store = dataclasses.replace(self.store, url=f"unix:{sock}")
         for _ in range(100):
             if await registered(self.store) is not None:

@@ -66,3 +66,15 @@ def test_every_panel_has_axis_labels_and_a_legend(name: str, tmp_path: Path) -> 
         legend = ax.get_legend()
         assert legend is not None and legend.get_texts(), f"{name}: panel {title!r} has no legend"
     plt.close("all")
+
+
+def test_a_plot_with_no_data_says_so(tmp_path: Path) -> None:
+    from loadtest.output import pyplot, save
+
+    plt = pyplot(tmp_path / "x.png")
+    fig, (empty, full) = plt.subplots(1, 2)
+    empty.axvline(1.0, linestyle="--")  # a marker line is not data
+    full.plot([0, 1, 2], [1, 2, 3])
+    save(fig, tmp_path / "x.png")
+    assert [t.get_text() for t in empty.texts] == ["no data"] and empty.get_ylim() == (0, 1)
+    assert not full.texts
