@@ -113,6 +113,18 @@ async def test_dashboard_in_a_real_browser(procs: Procs, gateways: list[Any], tm
             assert first in sessions and first.removeprefix("resp_") in sessions and "completed" in sessions
         await asyncio.to_thread(driver.save_screenshot, str(tmp_path / "dashboard.png"))
         assert shot.stat().st_size > 20_000 and (tmp_path / "dashboard.png").stat().st_size > 20_000
+        # at 1280 px nothing scrolls sideways, and no two of the waterfall's event labels print over each other
+        await asyncio.to_thread(driver.set_window_size, 1280, 900)
+        await asyncio.sleep(1.2)  # a refresh at that width
+        wide = await asyncio.to_thread(driver.execute_script, """
+            const over = [...document.querySelectorAll("table")].filter((t) => t.scrollWidth > t.parentElement.clientWidth + 1)
+              .map((t) => t.id);
+            const boxes = [...document.querySelectorAll("#waterfall text.ev")].map((t) => t.getBBox());
+            const overlaps = boxes.flatMap((a, i) => boxes.slice(i + 1).filter((b) => a.x < b.x + b.width && b.x < a.x + a.width
+              && a.y < b.y + b.height && b.y < a.y + a.height)).length;
+            return {page: document.documentElement.scrollWidth - window.innerWidth, over, overlaps, labels: boxes.length};""")
+        assert wide["page"] <= 0 and wide["over"] == [] and wide["overlaps"] == 0 and wide["labels"] >= 3, wide
+        await asyncio.to_thread(driver.save_screenshot, str(tmp_path / "dashboard-1280.png"))
     finally:
         await asyncio.to_thread(driver.quit)
 
