@@ -113,7 +113,8 @@ def _admin_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdgate", description="PD-disaggregation gateway for SGLang",
+    parser = argparse.ArgumentParser(prog="pdgate", description="PD-disaggregation gateway for SGLang and vLLM: "
+                                     "OpenAI and Anthropic APIs in front, prefill and decode pools behind",
                                      formatter_class=HELP)
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("serve", help="run the gateway in front of existing workers", formatter_class=HELP)

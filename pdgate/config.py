@@ -122,7 +122,7 @@ class ReconcileConfig:
 
 @dataclass(frozen=True)
 class StoreConfig:
-    """What several gateway processes share (``pdgate/store``; README "Every core, every host"): none (the
+    """What several gateway processes share (``pdgate/store``; docs/scale-out.md): none (the
     embedded store of one process), or Redis."""
 
     url: str = ""  # redis://host:port/db, rediss://host:port/db or unix:/path; empty: one process, nothing shared
@@ -137,7 +137,7 @@ class StoreConfig:
 
 @dataclass(frozen=True)
 class AdmissionConfig:
-    """A gateway queue in front of the engines (README "Admission control")."""
+    """A gateway queue in front of the engines (docs/admission.md)."""
 
     enabled: bool = True
     capacity: int = 0  # live requests of ours per worker; 0: what the engine reports (max_running_requests), else no cap
@@ -264,7 +264,7 @@ class GatewayConfig:
     max_upstream_body_bytes: int = 64 * 1024 * 1024  # a non-streaming leg's answer larger than this is a 502
     worker_api_key: str | None = None  # sent as Authorization: Bearer to the engines (SGLang's --api-key)
     instance_id: str | None = None
-    # access control (README "Access control"): the admin plane is a listener of its own
+    # access control (docs/access-control.md): the admin plane is a listener of its own
     admin_host: str = "127.0.0.1"
     admin_port: int = 30002  # 0: any free port
     admin_socket: str | None = None  # a Unix socket path for the admin plane instead of admin_host:admin_port

@@ -74,7 +74,7 @@ def user_id_session(meta: Any) -> str | None:
 
 
 def client_session(headers: Any, body: dict[str, Any], header: str) -> str | None:
-    """The session a client names, by one precedence (README "Sessions"): Claude Code's
+    """The session a client names, by one precedence (docs/routing.md, "The session key"): Claude Code's
     ``X-Claude-Code-Session-Id``, the session in ``metadata.user_id``, Codex's ``session-id`` header, a Responses
     ``prompt_cache_key``, the configured header (``routing.session_header``, default ``x-session-id``). Not here,
     and after these: a Responses chain's session, then OpenAI's ``user`` (``Pipeline.handle``)."""

@@ -24,7 +24,7 @@ SERVER_INFO_PATH = "/server_info"
 LOADS_PATH = "/v1/loads"
 METRICS_PATH = "/metrics"
 
-# The pdgate engine extension (README "Engine extension").
+# The pdgate engine extension (docs/engines.md).
 EXT_REQUESTS_PATH = "/pdgate/v1/requests"
 EXT_FAULTS_PATH = "/pdgate/v1/faults"
 # Identity and fixes of a real SGLang worker started by engine/sglang (its /server_info is SGLang's own).

@@ -356,7 +356,7 @@ def open_front_door(host: str, keys: bool) -> str | None:
     if keys or is_loopback(host):
         return None
     return (f"the front door listens on {host or 'every address'} without client keys: anyone who reaches it may "
-            "send requests (configure [[keys]]; README 'Access control')")
+            "send requests (configure [[keys]]; docs/access-control.md)")
 
 
 def raise_fd_limit() -> None:
