@@ -248,10 +248,18 @@ def test_base_port_moves_everything_and_the_cli_and_storm_find_it_with_no_flag(p
         return subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, capture_output=True, text=True, timeout=60,
                               env={**env, "PYTHONPATH": str(ROOT), "COLUMNS": "120"})
 
-    for args in (("pdgate", "workers"), ("pdgate", "ps"), ("pdgate", "top", "--iterations", "1")):
+    import openai
+
+    with openai.OpenAI(base_url=gw + "/v1", api_key="none", max_retries=0) as client:
+        raw = client.chat.completions.with_raw_response.create(model="sim-model", max_tokens=4, messages=[
+            {"role": "user", "content": "hi"}])
+    rid = raw.headers["x-request-id"]
+    for args in (("pdgate", "workers"), ("pdgate", "ps"), ("pdgate", "top", "--iterations", "1"),
+                 ("pdgate", "trace", rid)):
         out = run(*args)
         assert out.returncode == 0, out
-        assert args[1] == "ps" or f"127.0.0.1:{base + 10}" in out.stdout, out.stdout
+        assert args[1] in ("ps", "trace") or f"127.0.0.1:{base + 10}" in out.stdout, out.stdout
+        assert args[1] != "trace" or rid in out.stdout, out.stdout
     storm = run("loadtest", "storm", "--iterations", "2", "--instances", "1", "--window", "6", "--watchdog", "2",
                 "--grace", "1")
     assert storm.returncode == 0, storm.stdout[-3000:]
