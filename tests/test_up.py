@@ -290,7 +290,8 @@ def test_cli_reads_at_80_columns_and_in_a_pipe(procs: Procs, tmp_path: Path) -> 
         assert out.returncode == 0, out.stderr
         return out.stdout
 
-    for args in (("workers",), ("workers", "--wide"), ("trace", rid), ("ps",), ("ps", "--wide")):
+    for args in (("workers",), ("workers", "--wide"), ("trace", rid), ("ps",), ("ps", "--wide"),
+                 ("top", "--iterations", "1", "--interval", "0.1"), ("top", "--wide", "--iterations", "1")):
         text = run(*args)
         assert text.strip() and all(len(line) <= 80 for line in text.splitlines()), (args, text)
         assert "…" not in text, (args, text)  # nothing cut: values wrap
@@ -298,6 +299,9 @@ def test_cli_reads_at_80_columns_and_in_a_pipe(procs: Procs, tmp_path: Path) -> 
     assert rid in trace and f"rid {rid}.1" in trace, "the id and the attempt's rid whole"
     workers = run("workers")
     assert "p0" in workers and "http://127.0.0.1:" in workers.replace("\n", "")
+    top = run("top", "--iterations", "1", "--interval", "0.1")
+    assert all(w["url"] in top.replace("\n", "") for w in get(admin + "/v1/workers", (tmp_path / "admin.key")
+                                                              .read_text().strip())["workers"]), top
     assert "identity" not in workers and "identity" in run("workers", "--wide", columns="200")
     for args in (("workers", "--json"), ("ps", "--json"), ("trace", rid, "--json")):
         json.loads(run(*args))
