@@ -105,6 +105,10 @@ def _check_worker(w: Any, where: str, allow_unsafe_kernel_profile: bool) -> tupl
         else:
             errs.append(f"{where}: env must be a table of strings")
     except (ValueError, KeyError, TypeError) as exc:
+        from engine.sglang.plan import UnsafeProfile
+
+        if isinstance(exc, UnsafeProfile):  # a refusal of its own: it names the flag that allows it
+            raise
         errs.append(f"{where}: {exc}")
     for key in sorted(set(w) - allowed):
         close = difflib.get_close_matches(key, sorted(allowed), n=1, cutoff=0.6)

@@ -108,7 +108,7 @@ def test_cluster_file_errors_are_clear(tmp_path: Path) -> None:
     moved = load_cluster(ROOT / "config/cluster.sim.toml", base_port=47000)
     assert [(w.port, w.bootstrap_port) for w in moved.workers] == [(47010, 47011), (47012, 47013), (47014, None),
                                                                    (47016, None)]
-    ports = [p for f in ("cluster.sim.toml", "cluster.vllm-sim.toml", "cluster.vllm-cpu.toml")
+    ports = [p for f in ("cluster.sim.toml", "cluster.vllm-sim.toml", "cluster.vllm-cpu.toml", "cluster.sm120-8gpu.toml")
              for w in load_cluster(ROOT / "config" / f).workers for p in (w.port, w.bootstrap_port) if p]
     assert len(ports) == len(set(ports)), "the packaged clusters may run side by side"
 

@@ -29,8 +29,8 @@ def test_plan_golden() -> None:
     py = sys.executable
     assert workers[0]["command"] == [
         py, "-m", "engine.sglang.worker", "--model-path", "deepseek-ai/DeepSeek-V4-Flash", "--host", "127.0.0.1",
-        "--port", "30010", "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "nixl",
-        "--tp-size", "4", "--dp-size", "1", "--disaggregation-bootstrap-port", "8998",
+        "--port", "30310", "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "nixl",
+        "--tp-size", "4", "--dp-size", "1", "--disaggregation-bootstrap-port", "30913",
         "--served-model-name", "deepseek-v4-flash", "--mem-fraction-static", "0.85", "--trust-remote-code"]
     assert workers[1]["command"][workers[1]["command"].index("--disaggregation-mode") + 1] == "decode"
     assert "--disaggregation-bootstrap-port" not in workers[1]["command"]
