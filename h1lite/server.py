@@ -288,9 +288,11 @@ class Server:
 
     def __init__(self, dispatch: Callable[[Request], Awaitable[Response | Stream]], max_body: int,
                  keepalive_s: float = 75.0, head_timeout_s: float = 10.0, body_timeout_s: float = 60.0,
-                 on_error: Callable[[Request, HTTPError], object] | None = None) -> None:
+                 on_error: Callable[[Request, HTTPError], object] | None = None,
+                 shape: Callable[[Request, HTTPError], HTTPError] | None = None) -> None:
         self.dispatch = dispatch
         self.on_error = on_error  # told of every request a handler refused (an access log's line)
+        self.shape = shape  # an error as the route's clients read it (OpenAI's shape unless it says otherwise)
         self.max_body = max_body
         # uvicorn's timeout_keep_alive is 5 s; nginx's client_header_timeout and client_body_timeout 60 s
         self.keepalive_s, self.head_s, self.body_s = keepalive_s, head_timeout_s, body_timeout_s
@@ -643,7 +645,9 @@ class HttpProtocol(asyncio.Protocol):
                 if req.failed is not None:
                     raise req.failed
                 resp = await self.server.dispatch(req)
-            except HTTPError as exc:  # every error leaves in OpenAI's shape
+            except HTTPError as exc:  # every error leaves in OpenAI's shape, or the one the route's clients read
+                if self.server.shape is not None:
+                    exc = self.server.shape(req, exc)
                 if self.server.on_error is not None:
                     self.server.on_error(req, exc)
                 resp = error_response(exc)
@@ -653,7 +657,8 @@ class HttpProtocol(asyncio.Protocol):
                 return
             except Exception:  # a bug: the client still gets an answer (or, mid-stream, a cut stream)
                 log.exception("unhandled error in %s %s", req.method, req.path)
-                resp = error_response(HTTPError("internal error"))
+                bug = HTTPError("internal error")
+                resp = error_response(self.server.shape(req, bug) if self.server.shape is not None else bug)
             keep = req.keep_alive and not self.close_after and not self.server.draining
             try:
                 if req.stream is not None:

@@ -63,6 +63,7 @@ class Admission:
                 raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
             if not isinstance(body, dict):
                 raise InvalidJSON("request body must be a JSON object")
+            validation.check_depth(body)
         model, stream = validation.validate(route, body)
         asked = model
         model = self.model_for(model, tenant)

@@ -15,7 +15,6 @@ in the answer's ``x-pdgate-tools-dropped`` header; a deferred tool (``defer_load
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import orjson
@@ -31,7 +30,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                499: "api_error", 502: "api_error", 503: "overloaded_error", 504: "timeout_error", 529: "overloaded_error"}
 # Claude Code's first system block: "x-anthropic-billing-header: cc_version=...; cc_entrypoint=...; cch=<nonce>;"
 # its cch value changes every request, so no two rounds of a session share a cached prefix (normalise_billing)
-BILLING = re.compile(r"^(x-anthropic-billing-header:[^\n]*?)\s*\bcch=[^;\n]*;?")
+BILLING = "x-anthropic-billing-header:"
 STOPS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use",
          "content_filter": "refusal"}
 
@@ -127,7 +126,7 @@ def _message(i: int, m: Any, out: list[dict[str, Any]]) -> None:
         elif kind == "tool_result" and role == "user":
             if not isinstance(b.get("tool_use_id"), str):
                 raise InvalidField(f"'{w}' (tool_result) needs a tool_use_id string", param="messages")
-            text = _text_of(b.get("content", ""), f"{w}.content")
+            text = _text_of(b.get("content") or "", f"{w}.content")
             out.append({"role": "tool", "tool_call_id": b["tool_use_id"],
                         "content": ("Error: " + text) if b.get("is_error") is True else text})
         elif kind in ("thinking", "redacted_thinking", "server_tool_use", "web_search_tool_result"):
@@ -192,7 +191,20 @@ def _number(body: dict[str, Any], key: str, lo: float, hi: float) -> None:
 
 def system_text(system: Any, normalise_billing: bool) -> str:
     text = _text_of(system, "system")
-    return BILLING.sub(r"\1", text, count=1) if normalise_billing else text
+    return without_nonce(text) if normalise_billing else text
+
+
+def without_nonce(text: str) -> str:
+    """The system prompt with the ``cch=<nonce>`` field of its first line dropped, if that line is Claude Code's
+    billing line (string operations: linear in the line, whatever it holds)."""
+    if not text.startswith(BILLING):
+        return text
+    line, nl, rest = text.partition("\n")
+    fields = line[len(BILLING):].split(";")
+    kept = [f for f in fields if not f.strip().startswith("cch=")]
+    if len(kept) == len(fields):
+        return text
+    return BILLING + ";".join(kept).rstrip() + nl + rest
 
 
 def to_chat(body: dict[str, Any], normalise_billing: bool = True,
@@ -215,6 +227,10 @@ def to_chat(body: dict[str, Any], normalise_billing: bool = True,
     for i, m in enumerate(msgs):
         _message(i, m, out)
     chat: dict[str, Any] = {"model": model, "messages": out}
+    last = out[-1] if out else {}
+    if last.get("role") == "assistant" and isinstance(last.get("content"), str) and last["content"] \
+            and not last.get("tool_calls"):  # a prefill: the answer continues it (vLLM's and SGLang's chat fields)
+        chat["continue_final_message"], chat["add_generation_prompt"] = True, False
     if not counting:
         chat["max_tokens"] = max_tokens
     _number(body, "temperature", 0, 1)
@@ -290,7 +306,8 @@ def _input(args: str) -> dict[str, Any]:
 def stop_of(choice: dict[str, Any], stops: list[str]) -> tuple[str, str | None]:
     """Anthropic's ``stop_reason`` and ``stop_sequence`` from a chat choice (vLLM names the matched stop in
     ``stop_reason``, SGLang in ``matched_stop``)."""
-    reason = STOPS.get(choice.get("finish_reason"), "end_turn")  # type: ignore[arg-type]
+    finish = choice.get("finish_reason")
+    reason = STOPS.get(finish, "end_turn") if isinstance(finish, str) else "end_turn"
     matched = choice.get("stop_reason", choice.get("matched_stop"))
     if reason == "end_turn" and isinstance(matched, str) and matched in stops:
         return "stop_sequence", matched
@@ -344,7 +361,9 @@ class Events:
         self.opened = False
         self.ended = False
         self.block = -1  # the open content block's index (-1: none)
-        self.calls: dict[int, int] = {}  # chat tool call index -> its content block's index
+        # chat tool call index -> [id, name, argument pieces]: its tool_use block goes out whole at the end (a chat
+        # stream may interleave calls' arguments, or text, where Anthropic's blocks cannot be reopened)
+        self.calls: dict[int, list[Any]] = {}
         self.stop: tuple[str, str | None] | None = None
         self.usage: dict[str, int] | None = None
 
@@ -417,12 +436,20 @@ class Events:
             if not isinstance(i, int) or (i not in self.calls and len(self.calls) >= MAX_CALLS):
                 continue
             fn = _obj(tc.get("function"))
-            if i not in self.calls:
-                tid = _str(tc.get("id")) or f"toolu_{self.msg['id']}_{i}"
-                out.append(self._start({"type": "tool_use", "id": tid, "name": _str(fn.get("name")), "input": {}}))
-                self.calls[i] = self.block
+            call = self.calls.get(i)
+            if call is None:
+                call = self.calls[i] = [_str(tc.get("id")) or f"toolu_{self.msg['id']}_{i}", _str(fn.get("name")), []]
             args = fn.get("arguments")
-            if isinstance(args, str) and args and self.calls[i] == self.block:
+            if isinstance(args, str) and args:
+                call[2].append(args)
+        return b"".join(out)
+
+    def _tool_blocks(self) -> bytes:
+        out = []
+        for tid, name, pieces in (self.calls[i] for i in sorted(self.calls)):
+            out.append(self._start({"type": "tool_use", "id": tid, "name": name, "input": {}}))
+            args = "".join(pieces)
+            if args:
                 out.append(event("content_block_delta", {"index": self.block,
                                                          "delta": {"type": "input_json_delta", "partial_json": args}}))
         return b"".join(out)
@@ -437,8 +464,8 @@ class Events:
             reason = "tool_use"
         usage = self.usage or usage_of(None)
         self.msg["usage"] = usage
-        return (self._close() + event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": seq},
-                                                        "usage": usage}) + event("message_stop", {}))
+        return (self._tool_blocks() + self._close() + event("message_delta", {"delta": {
+            "stop_reason": reason, "stop_sequence": seq}, "usage": usage}) + event("message_stop", {}))
 
     def failed(self, err: GatewayError) -> bytes:
         """What the gateway ended (deadline, drain, abort, a failed leg): the open block closed, one error event."""

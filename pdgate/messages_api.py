@@ -3,8 +3,8 @@ engines' chat completion (``pdgate.anthropic`` translates; ``docs/messages.md``)
 
 ``POST /v1/messages``: the chat body made, the request's life run by the pipeline (admission, deadlines, both
 legs, retries before the first byte, aborts, outcome), the stream translated per event (``ctx.front``). Every
-error leaves in Anthropic's shape: those raised here and in admission (``anthropic.Error``), answers the path
-made in OpenAI's, and a stream the gateway ends, which ends with one ``event: error`` naming why, also when it
+error leaves in Anthropic's shape: those raised here, in admission and in the HTTP layer (rendered by
+``server.error_shape`` as ``anthropic.Error``), answers the path made in OpenAI's, and a stream the gateway ends, which ends with one ``event: error`` naming why, also when it
 ends before its first token; what a client should retry later (429 and 503 with Retry-After) stays an HTTP status,
 which the SDKs retry.
 
@@ -23,10 +23,10 @@ import orjson
 from h1lite.server import Request, Response, Stream, json_response
 from pdgate import anthropic
 from pdgate.auth import Tenant
-from pdgate.errors import GatewayError, InvalidJSON, UpstreamError
+from pdgate.errors import InvalidJSON, UpstreamError
 from pdgate.relay import SSE_HEADERS
 from pdgate.responses import dropped_header
-from pdgate.validation import CHAT
+from pdgate.validation import CHAT, check_depth
 
 if TYPE_CHECKING:
     from pdgate.proxy import Pipeline
@@ -67,6 +67,7 @@ def parse(request: Request) -> dict[str, Any]:
         raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidJSON("request body must be a JSON object")
+    check_depth(body)
     return body
 
 
@@ -75,14 +76,6 @@ class MessagesRoute:
         self.pipeline, self.pool, self.normalise_billing, self.clock = pipeline, pool, normalise_billing, clock
 
     async def create(self, request: Request) -> Response | Stream:
-        try:
-            return await self._create(request)
-        except anthropic.Error:
-            raise
-        except GatewayError as exc:
-            raise anthropic.Error(exc) from None
-
-    async def _create(self, request: Request) -> Response | Stream:
         body = parse(request)
         chat, dropped = anthropic.to_chat(body, self.normalise_billing)
         stream = chat.get("stream") is True
@@ -119,15 +112,10 @@ class MessagesRoute:
                         headers={**answer.headers, **headers})
 
     async def count_tokens(self, request: Request) -> Response:
-        try:
-            body = parse(request)
-            chat, _ = anthropic.to_chat(body, self.normalise_billing, counting=True)
-            tenant = request.state if isinstance(request.state, Tenant) else None
-            chat["model"] = self.pipeline.admission.model_for(chat["model"], tenant)
-        except anthropic.Error:
-            raise
-        except GatewayError as exc:
-            raise anthropic.Error(exc) from None
+        body = parse(request)
+        chat, _ = anthropic.to_chat(body, self.normalise_billing, counting=True)
+        tenant = request.state if isinstance(request.state, Tenant) else None
+        chat["model"] = self.pipeline.admission.model_for(chat["model"], tenant)
         now = self.clock()
         model = chat["model"]
         for w in self.pool.available("prefill", now)[:2]:

@@ -160,6 +160,10 @@ def engine_tools(tools: Any) -> tuple[list[dict[str, Any]], dict[str, tuple[str,
         if not isinstance(t, dict) or not isinstance(kind, str):
             raise InvalidField(f"'tools[{i}]' must be an object with a type", param="tools")
         name = t.get("name")
+        if (isinstance(name, str) and kind in ("function", "custom") and name in names) \
+                or (kind == "local_shell" and LOCAL_SHELL in names):
+            raise InvalidField(f"'tools[{i}]': the name {name or LOCAL_SHELL!r} is given twice (a namespace's "
+                               f"functions are named <namespace>{NS_SEP}<name> here)", param="tools")
         if kind == "function" and isinstance(name, str):
             out.append(_function(t, name))
             names[name] = ("function", name, None)
@@ -169,6 +173,9 @@ def engine_tools(tools: Any) -> tuple[list[dict[str, Any]], dict[str, tuple[str,
                         or not isinstance(inner.get("name"), str):
                     raise InvalidField(f"'tools[{i}].tools[{j}]' must be a function tool", param="tools")
                 flat = f"{name}{NS_SEP}{inner['name']}"
+                if flat in names:
+                    raise InvalidField(f"'tools[{i}].tools[{j}]': the name {flat!r} is given twice (a namespace's "
+                                       f"functions are named <namespace>{NS_SEP}<name> here)", param="tools")
                 out.append(_function(inner, flat))
                 names[flat] = ("function", inner["name"], name)
         elif kind == "custom" and isinstance(name, str):
@@ -301,8 +308,10 @@ Kinds = dict[str, tuple[str, str, "str | None"]]
 
 
 def dropped_header(dropped: list[str]) -> dict[str, str]:
-    """The tools left out of what the engine sees, named in the answer's head (and in the trace)."""
-    return {DROPPED_HEADER: ",".join(dropped)[:1000]} if dropped else {}
+    """The tools left out of what the engine sees, named in the answer's head (and in the trace); a client's names,
+    so only their printable ASCII goes into a header (``?`` for the rest)."""
+    text = ",".join(dropped)[:1000]
+    return {DROPPED_HEADER: "".join(c if " " <= c <= "~" else "?" for c in text)} if dropped else {}
 
 
 def dropped_tools(body: dict[str, Any]) -> list[str]:

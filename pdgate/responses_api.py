@@ -26,7 +26,7 @@ from pdgate.auth import Tenant
 from pdgate.errors import InvalidJSON, NotFound, UpstreamError
 from pdgate.policies import session_key
 from pdgate.relay import SSE_HEADERS
-from pdgate.validation import CHAT
+from pdgate.validation import CHAT, check_depth
 
 if TYPE_CHECKING:
     from pdgate.config import ResponsesConfig
@@ -84,6 +84,7 @@ class ResponsesRoute:
             raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
         if not isinstance(body, dict):
             raise InvalidJSON("request body must be a JSON object")
+        check_depth(body)
         tenant = tenant_name(request)
         history: list[dict[str, Any]] = []
         session = None

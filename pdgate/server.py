@@ -109,20 +109,12 @@ def refused(app: App) -> Callable[[Request, HTTPError], None]:
     return log_refusal
 
 
-def anthropic_errors(nxt: Dispatch) -> Dispatch:
+def error_shape(request: Request, exc: HTTPError) -> HTTPError:
     """Anthropic's clients read errors in Anthropic's shape: every refusal under ``/v1/messages`` (a missing key, an
-    unknown path, a bad body) is rendered so (``anthropic.Error``)."""
-    async def run(request: Request) -> Response | Stream:
-        if not request.path.startswith(anthropic.MESSAGES):
-            return await nxt(request)
-        try:
-            return await nxt(request)
-        except anthropic.Error:
-            raise
-        except HTTPError as exc:
-            raise anthropic.Error(exc) from None
-
-    return run
+    unknown path, a bad body, a body too large, an ``Expect`` refused, a bug) is rendered so (``anthropic.Error``)."""
+    if request.path.startswith(anthropic.MESSAGES) and not isinstance(exc, anthropic.Error):
+        return anthropic.Error(exc)
+    return exc
 
 
 def client_keys(app: App) -> Middleware:
@@ -143,8 +135,9 @@ def client_keys(app: App) -> Middleware:
                 raise Unauthorized("no API key given: send Authorization: Bearer <key> (or x-api-key: <key>)"
                                    if token is None else "invalid API key")  # the key itself is never echoed
             request.state = tenant  # a generation request's limits are taken with its pair (Gate.pair_for)
-            if path.startswith("/v1/requests") and tenant.key.requests_per_min:  # reading its requests costs engine
-                grant = await store.acquire(tenant.ask(hold=False), (), clock())  # calls too: counted
+            if (path.startswith("/v1/requests") or path == anthropic.COUNT_TOKENS) and tenant.key.requests_per_min:
+                # reading its requests, counting tokens: engine calls too, counted against the key's requests
+                grant = await store.acquire(tenant.ask(hold=False), (), clock())
                 if not grant.ok:
                     metrics.reject(tenant.name, grant.limit or "")
                     raise tenant.refused(grant.limit or "", grant.retry_after_s)
@@ -256,16 +249,16 @@ class App:
         else:
             front.add("GET", "/metrics", functools.partial(operator_only, ctl))
             self.operator_paths.add("/metrics")
-        dispatch = chain(front.dispatch, anthropic_errors, *((client_keys(self),) if self.gw.tenants is not None else ()))
+        dispatch = chain(front.dispatch, client_keys(self)) if self.gw.tenants is not None else front.dispatch
         on_error = refused(self) if cfg.access_log else None
         self.server = Server(dispatch, cfg.max_body_bytes, cfg.keepalive_s, cfg.head_timeout_s, cfg.body_timeout_s,
-                             on_error)
+                             on_error, error_shape)
         admin_dispatch = chain(back.dispatch, admin_keys(self))
         self.admin = Server(admin_dispatch, 1 << 20, cfg.keepalive_s, cfg.head_timeout_s, cfg.body_timeout_s)
         # a process of a group (its ports shared) is reached by the other instances here, on loopback, with each
         # plane's own keys and middleware
         self.private = {"front": Server(dispatch, cfg.max_body_bytes, cfg.keepalive_s, cfg.head_timeout_s,
-                                        cfg.body_timeout_s, on_error),
+                                        cfg.body_timeout_s, on_error, error_shape),
                         "admin": Server(admin_dispatch, 1 << 20, cfg.keepalive_s, cfg.head_timeout_s,
                                         cfg.body_timeout_s)} if group is not None else {}
         if self.gw.tenants is not None:

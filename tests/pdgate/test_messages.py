@@ -5,6 +5,7 @@ naming why; sessions and model aliases; the translation's rules as pure unit tes
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import aiohttp
@@ -286,12 +287,13 @@ def test_a_chat_stream_fed_at_any_split_gives_the_same_events() -> None:
     want = feed_all(stream, len(stream))
     assert [e["type"] for e in want] == [
         "message_start", "ping", "content_block_start", "content_block_delta", "content_block_delta",
-        "content_block_stop", "content_block_start", "content_block_delta", "content_block_delta",
-        "content_block_stop", "message_delta", "message_stop"]
+        "content_block_stop", "content_block_start", "content_block_delta", "content_block_stop", "message_delta",
+        "message_stop"]
     assert want[6]["content_block"] == {"type": "tool_use", "id": "c1", "name": "Bash", "input": {}}
-    assert want[10]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
-    assert want[10]["usage"] == {"input_tokens": 6, "output_tokens": 5, "cache_creation_input_tokens": 0,
-                                 "cache_read_input_tokens": 4}
+    assert want[7]["delta"] == {"type": "input_json_delta", "partial_json": '{"command":"ls"}'}
+    assert want[9]["delta"] == {"stop_reason": "tool_use", "stop_sequence": None}
+    assert want[9]["usage"] == {"input_tokens": 6, "output_tokens": 5, "cache_creation_input_tokens": 0,
+                                "cache_read_input_tokens": 4}
     for cut in (1, 3, 7, 50):
         assert feed_all(stream, cut) == want
 
@@ -374,3 +376,81 @@ async def test_a_full_queue_is_overloaded_error_with_retry_after_also_for_a_stre
     for t in (blocker, waiting):
         (await t).release()
     await assert_clean(http, g.gw, [p, d], within=15)
+
+
+def test_interleaved_tool_arguments_and_text_lose_nothing() -> None:
+    """A chat stream may send a call's arguments after text, or two calls' arguments in one chunk: each tool_use
+    block goes out whole, its arguments complete (a hostile pass found them dropped)."""
+    stream = chat_stream(
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "a", "function": {"name": "f", "arguments": '{"a":'}},
+                                               {"index": 1, "id": "b", "function": {"name": "g"}}]}}]},
+        {"choices": [{"delta": {"content": "\n"}}]},
+        {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": "1}"}},
+                                               {"index": 1, "function": {"arguments": '{"y":2}'}}]}}]},
+        {"choices": [{"delta": {}, "finish_reason": "tool_calls"}]})
+    evs = feed_all(stream, len(stream))
+    args = {}
+    for i, e in enumerate(evs):
+        if e["type"] == "content_block_start" and e["content_block"]["type"] == "tool_use":
+            assert evs[i + 1]["type"] == "content_block_delta" and evs[i + 2]["type"] == "content_block_stop"
+            args[e["content_block"]["id"]] = json.loads(evs[i + 1]["delta"]["partial_json"])
+    assert args == {"a": {"a": 1}, "b": {"y": 2}}
+    starts = [e["index"] for e in evs if e["type"] == "content_block_start"]
+    stops = [e["index"] for e in evs if e["type"] == "content_block_stop"]
+    assert starts == stops == sorted(starts), "each block started and stopped once, in order"
+
+
+async def test_hostile_bodies_get_anthropic_400s_and_the_loop_stays_free(procs: Procs, gateways: list[Any],
+                                                                         http: aiohttp.ClientSession) -> None:
+    """What a hostile pass found: values nested past what the gateway can write back (a 500 before), a billing
+    line of spaces (the loop held for seconds by a backtracking pattern), a server tool's name with a newline (an
+    invalid response header), a body too large and an Expect refused (OpenAI's shape), count_tokens past a key's
+    requests per minute (not counted)."""
+    p, d = procs.pair()
+    keys = (KeyConfig(name="a", hash=hash_key("sk-a"), requests_per_min=3),)
+    g = await gateway(gateways, [p], [d], keys=keys, max_body_bytes=200_000)
+    h = {"x-api-key": "sk-a"}
+    deep: Any = 1
+    for _ in range(300):
+        deep = {"a": deep}
+    msgs = [{"role": "user", "content": "x"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": deep}]}]
+    async with http.post(g.url + "/v1/messages", json={"model": "sim-model", "max_tokens": 2, "messages": msgs},
+                         headers=h) as r:
+        got = await r.json()
+        assert r.status == 400 and got["error"]["type"] == "invalid_request_error" and "nest" in got["error"]["message"]
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    async with http.post(g.url + "/v1/messages/count_tokens", json={
+            "model": "sim-model", "messages": [{"role": "user", "content": "hi"}],
+            "system": "x-anthropic-billing-header:" + " " * 150_000}, headers=h) as r:
+        assert r.status == 200, await r.text()
+    assert loop.time() - t0 < 1.0
+    async with http.post(g.url + "/v1/messages", json={
+            "model": "sim-model", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}],
+            "tools": [{"name": "evil\nX-Injected: 1", "type": "web_search_20250305"}]}, headers=h) as r:
+        assert r.status == 200 and "X-Injected" not in r.headers
+        assert r.headers["x-pdgate-tools-dropped"] == "evil?X-Injected: 1:web_search_20250305"
+    async with http.post(g.url + "/v1/messages", data=b"x" * 300_000, headers=h) as r:
+        got = await r.json()
+        assert r.status == 413 and got["error"]["type"] == "request_too_large", got
+    async with http.post(g.url + "/v1/messages", json={}, headers={**h, "Expect": "something"}) as r:
+        got = await r.json()
+        assert r.status == 417 and got["type"] == "error", got
+    statuses = []
+    for _ in range(4):
+        async with http.post(g.url + "/v1/messages/count_tokens", json={
+                "model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}, headers=h) as r:
+            statuses.append(r.status)
+            if r.status == 429:
+                assert (await r.json())["error"]["type"] == "rate_limit_error"
+    assert 429 in statuses, statuses
+    await assert_clean(http, g.gw, [p, d])
+
+
+def test_a_final_assistant_message_is_continued() -> None:
+    chat, _ = wire.to_chat({"model": "m", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "json please"}, {"role": "assistant", "content": "{\"a\":"}]})
+    assert chat["continue_final_message"] is True and chat["add_generation_prompt"] is False
+    chat, _ = wire.to_chat({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert "continue_final_message" not in chat

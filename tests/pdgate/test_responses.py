@@ -587,3 +587,31 @@ async def test_a_codex_request_is_served_with_its_tools_and_the_dropped_ones_sai
     rec = g.gw.traces.get(r.headers["x-request-id"])
     assert rec is not None and rec.session == "codex-1"
     await assert_clean(http, g.gw, [p, d])
+
+
+def test_flattened_tool_names_never_collide() -> None:
+    """A plain function named as a namespace's flattened one, or two tools of one name: a 400, never a call
+    answered as the wrong tool (a hostile pass found ``ns__f`` answered as namespace ns's ``f``)."""
+    for tools in ([{"type": "function", "name": "ns__f"}, {"type": "namespace", "name": "ns", "tools": [
+                      {"type": "function", "name": "f"}]}],
+                  [{"type": "local_shell"}, {"type": "function", "name": "local_shell"}],
+                  [{"type": "custom", "name": "x"}, {"type": "function", "name": "x"}]):
+        with pytest.raises(InvalidField) as e:
+            responses.to_chat({"model": "m", "input": "x", "tools": tools}, [])
+        assert e.value.param == "tools" and "given twice" in e.value.message
+
+
+async def test_values_nested_past_what_the_store_writes_are_a_400(procs: Procs, gateways: list[Any],
+                                                                  http: aiohttp.ClientSession) -> None:
+    p, d = procs.pair()
+    g = await gateway(gateways, [p], [d])
+    deep: Any = 1
+    for _ in range(245):  # parses, fits a chat body, but not the stored response wrapped around it
+        deep = [deep]
+    for stream in (False, True):
+        async with http.post(g.url + "/v1/responses", json={"model": "sim-model", "input": "x", "stream": stream,
+                                                            "max_output_tokens": 2, "metadata": None,
+                                                            "tools": [{"type": "web_search", "x": deep}]}) as r:
+            got = await r.json()
+            assert r.status == 400 and "nest" in got["error"]["message"], got
+    await assert_clean(http, g.gw, [p, d])
