@@ -6,7 +6,8 @@ Both legs of an attempt that ended early are aborted by rid through the worker's
 request is a no-op there (unknown rid) and the leg then runs orphaned, so a leg that had not answered yet is
 aborted again after ``abort_repeat_s`` delays. A decode whose engine lacks the abort-during-transfer fix
 (``Engine.defers_decode_abort``) is aborted once its transfer is over: its first answer (the stream kept open
-for it), or its prefill's end, or ``abort_defer_s``, whichever comes first; reconciliation stays behind it.
+for it), or its prefill's successful end (a prefill that failed or was aborted ended no transfer: the decode learns
+of it from its engine and answers), or ``abort_defer_s``, whichever comes first; reconciliation stays behind it.
 """
 
 from __future__ import annotations
@@ -73,12 +74,19 @@ class Aborts:
         if prefill is not None:
             ends.append(prefill)  # type: ignore[arg-type]
         try:
-            if ends:
-                done, _ = await asyncio.wait(ends, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-            else:
+            loop = asyncio.get_running_loop()
+            end_at = loop.time() + wait_s
+            over = False
+            waiting = set(ends)
+            while waiting and not over and loop.time() < end_at:
+                done, _ = await asyncio.wait(waiting, timeout=end_at - loop.time(), return_when=asyncio.FIRST_COMPLETED)
+                waiting -= done
+                # a prefill that failed or was aborted ended no transfer: the decode learns of it from its engine and
+                # answers (aborted before that, an engine without the fix leaks it)
+                over = any(f is not prefill or att.transferred for f in done)
+            if not ends:
                 await asyncio.sleep(wait_s)
-                done = set()
-            att.event(self.clock(), "abort_undeferred", "its transfer is over" if done else f"after {wait_s:g}s")
+            att.event(self.clock(), "abort_undeferred", "its transfer is over" if over else f"after {wait_s:g}s")
         finally:
             for f in ends:
                 f.cancel()

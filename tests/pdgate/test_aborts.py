@@ -46,3 +46,58 @@ async def test_a_decode_without_fix_a_is_aborted_once_its_transfer_is_over(
         held = await engine_requests(http, d)
         assert held and all(r["queue"] == "transfer" for r in held), held
         assert await gauge(http, d, "num_leaked_reqs_total") >= 1, "aborted mid-transfer: it leaked"
+
+
+@pytest.mark.parametrize("guard", [True, False])
+async def test_a_failed_prefill_does_not_end_a_deferred_decode_abort(guard: bool) -> None:
+    """A prefill that failed (here: aborted with the rest of its attempt) ended no KV transfer: a decode without
+    fix A still waits for it, and its abort waits for the decode's own answer (it learns of the failure from its
+    engine). Switched off (a prefill's end taken as the transfer's), the abort goes first: what the full run's
+    ``test_a_decode_without_fix_a_...`` caught one time in three as a leaked decode."""
+    from types import SimpleNamespace
+
+    from pdgate.aborts import Aborts
+    from pdgate.config import GatewayConfig
+    from pdgate.record import Attempt
+    from pdgate.scope import Tasks
+
+    loop = asyncio.get_running_loop()
+    sent: list[float] = []
+    decode_said = loop.create_future()
+
+    async def abort(url: str, rid: str) -> int:
+        sent.append(loop.time())
+        return 200
+
+    class Decode:  # the decode leg's open answer: its first bytes come when its engine learns the transfer failed
+        def resume(self) -> None: ...
+
+        def release(self) -> None: ...
+
+        async def pipe(self, feed: Any) -> None:
+            await decode_said
+            feed(b"data: {}")
+
+    async def prefill_fails() -> bytes:
+        await asyncio.sleep(0.05)
+        raise RuntimeError("aborted")
+
+    att = Attempt(1, "pdg-x.1", "p0", "d0", 7)
+    att.transferred = not guard  # switched off: the prefill's end read as the transfer's, whatever it was
+    dw = SimpleNamespace(id="d0", role="decode", url="http://d", engine=SimpleNamespace(abort=abort))
+    obs = SimpleNamespace(aborted=lambda role, result: None)
+    aborts = Aborts(GatewayConfig(abort_repeat_s=(), abort_defer_s=2.0), obs, Tasks(), loop.time)  # type: ignore[arg-type]
+    prefill = asyncio.ensure_future(prefill_fails())
+    t0 = loop.time()
+    task = asyncio.ensure_future(aborts._deferred(att, dw, Decode(), prefill))  # type: ignore[arg-type]
+    await asyncio.sleep(0.3)
+    if guard:
+        assert not sent, "no abort while the decode has not learned of the failed transfer"
+    else:
+        assert sent and sent[0] - t0 < 0.2, "switched off: aborted at the prefill's end"
+    if not decode_said.done():  # switched off, the deferral ended (and stopped reading the decode) already
+        decode_said.set_result(None)
+    await task
+    assert sent and (not guard or sent[0] - t0 >= 0.3)
+    events = [e[1] for e in att.events]
+    assert events[0] == "abort_deferred" and "abort_undeferred" in events
