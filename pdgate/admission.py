@@ -20,13 +20,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from h1lite.server import Request
 from pdgate import deadlines, validation
 from pdgate.auth import Tenant
 from pdgate.config import PRIORITIES, AdmissionConfig, GatewayConfig
-from pdgate.errors import InvalidField, InvalidJSON, ModelNotFound, NoHealthyPair, Shed
+from pdgate.errors import InvalidField, ModelNotFound, NoHealthyPair, Shed
 from pdgate.policies import RequestView
 from pdgate.queueing import RANKS, Entry, FairQueue, Rates
 from pdgate.record import Phase, Record
@@ -57,13 +55,7 @@ class Admission:
         ``body``: made by the route from the client's (``/v1/responses``), whose path is ``shown`` on the record."""
         raw = request.body
         if body is None:
-            try:
-                body = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
-                raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
-            if not isinstance(body, dict):
-                raise InvalidJSON("request body must be a JSON object")
-            validation.check_depth(body)
+            body = validation.parse_body(raw)
         model, stream = validation.validate(route, body)
         asked = model
         model = self.model_for(model, tenant)

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from pdgate.errors import GatewayError, InvalidField
+from pdgate.responses import ChatReader
 
 MESSAGES = "/v1/messages"
 COUNT_TOKENS = "/v1/messages/count_tokens"
@@ -348,7 +349,7 @@ def error_event(status: int, message: str) -> bytes:
     return b"event: error\ndata: %b\n\n" % orjson.dumps(error_body(status, message))
 
 
-class Events:
+class Events(ChatReader):
     """One Messages stream made from the engine's chat stream (``feed``: whole SSE events, as the relay's framer
     cut them) and the gateway's own end of it (``failed``)."""
 
@@ -385,39 +386,14 @@ class Events:
         self.msg["content"].append(block)
         return out + event("content_block_start", {"index": self.block, "content_block": block})
 
-    def feed(self, events: bytes, sep: bytes) -> bytes:
-        out = [self.open()]
-        for ev in events.split(sep):
-            if not ev or self.ended:
-                continue
-            data = b"".join(line[5:].lstrip() for line in ev.splitlines() if line.startswith(b"data:"))
-            if not data:
-                continue
-            if data == b"[DONE]":
-                out.append(self.done())
-                continue
-            try:
-                chunk = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                continue  # the relay's framer judged the event; an unreadable one carries nothing to show
-            if not isinstance(chunk, dict):
-                continue
-            if chunk.get("error") is not None:
-                e = chunk["error"]
-                self.ended = True
-                out.append(self._close() + error_event(502, "the engine reported: "
-                                                       + str(e.get("message") if isinstance(e, dict) else e)))
-                continue
-            out.append(self._chunk(chunk))
-        return b"".join(out)
+    def engine_failed(self, message: str) -> bytes:
+        self.ended = True
+        return self._close() + error_event(502, message)
 
-    def _chunk(self, chunk: dict[str, Any]) -> bytes:
-        if chunk.get("usage"):
-            self.usage = usage_of(chunk["usage"])
-        choices = chunk.get("choices")
-        if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
-            return b""
-        choice = choices[0]
+    def took(self, usage: Any) -> None:
+        self.usage = usage_of(usage)
+
+    def choice(self, choice: dict[str, Any]) -> bytes:
         if choice.get("finish_reason") is not None:
             self.stop = stop_of(choice, self.stops)
         delta = _obj(choice.get("delta"))

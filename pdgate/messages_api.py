@@ -23,10 +23,10 @@ import orjson
 from h1lite.server import Request, Response, Stream, json_response
 from pdgate import anthropic
 from pdgate.auth import Tenant
-from pdgate.errors import InvalidJSON, UpstreamError
+from pdgate.errors import UpstreamError
 from pdgate.relay import SSE_HEADERS
 from pdgate.responses import dropped_header
-from pdgate.validation import CHAT, check_depth
+from pdgate.validation import CHAT, parse_body
 
 if TYPE_CHECKING:
     from pdgate.proxy import Pipeline
@@ -61,14 +61,7 @@ def message_id(request_id: str) -> str:
 
 
 def parse(request: Request) -> dict[str, Any]:
-    try:
-        body = orjson.loads(request.body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidJSON("request body must be a JSON object")
-    check_depth(body)
-    return body
+    return parse_body(request.body)
 
 
 class MessagesRoute:

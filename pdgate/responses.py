@@ -12,6 +12,7 @@ terminal event: ``response.completed``, ``response.incomplete`` or ``response.fa
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
@@ -410,6 +411,78 @@ def said(resp: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
 
 
+def chat_chunks(events: bytes, sep: bytes) -> Iterator[dict[str, Any] | None]:
+    """A chat stream's whole SSE events (as the relay's framer cut them) as its chunks, and None for ``[DONE]``; an
+    event that is not a JSON object carries nothing to show (the framer judged it)."""
+    for ev in events.split(sep):
+        data = b"".join(line[5:].lstrip() for line in ev.splitlines() if line.startswith(b"data:"))
+        if not data:
+            continue
+        if data == b"[DONE]":
+            yield None
+            continue
+        try:
+            chunk = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(chunk, dict):
+            yield chunk
+
+
+def engine_error(chunk: dict[str, Any]) -> str:
+    """What an engine's error event says."""
+    e = chunk["error"]
+    return str(e.get("message") if isinstance(e, dict) else e)
+
+
+def first_choice(chunk: dict[str, Any]) -> dict[str, Any] | None:
+    choices = chunk.get("choices")
+    return choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else None
+
+
+class ChatReader:
+    """A client protocol's stream made from the engine's chat stream (``Ctx.front``): ``feed`` reads whole SSE
+    events and hands each chunk on (``chunk``), the engine's ``[DONE]`` (``done``), its error event
+    (``engine_failed``); nothing after the end."""
+
+    ended: bool
+
+    def open(self) -> bytes:
+        return b""
+
+    def feed(self, events: bytes, sep: bytes) -> bytes:
+        out = [self.open()]
+        for chunk in chat_chunks(events, sep):
+            if self.ended:
+                break
+            if chunk is None:
+                out.append(self.done())
+            elif chunk.get("error") is not None:
+                out.append(self.engine_failed(f"the engine reported: {engine_error(chunk)}"))
+            else:
+                out.append(self.chunk(chunk))
+        return b"".join(out)
+
+    def chunk(self, chunk: dict[str, Any]) -> bytes:
+        if chunk.get("usage"):
+            self.took(chunk["usage"])
+        choice = first_choice(chunk)
+        return b"" if choice is None else self.choice(choice)
+
+    def took(self, usage: Any) -> None:
+        """The engine's usage (its last chunk, with ``stream_options.include_usage``)."""
+        raise NotImplementedError
+
+    def choice(self, choice: dict[str, Any]) -> bytes:
+        raise NotImplementedError
+
+    def done(self) -> bytes:
+        raise NotImplementedError
+
+    def engine_failed(self, message: str) -> bytes:
+        raise NotImplementedError
+
+
 def event(kind: str, seq: int, fields: dict[str, Any]) -> bytes:
     return b"event: %b\ndata: %b\n\n" % (kind.encode(), orjson.dumps({"type": kind, "sequence_number": seq, **fields}))
 
@@ -418,7 +491,7 @@ def error_of(err: GatewayError) -> dict[str, Any]:
     return {"code": err.code, "message": err.message}
 
 
-class Events:
+class Events(ChatReader):
     """One Responses stream, made from the engine's chat stream (``feed``: whole SSE events, as the relay's framer
     cut them) and the gateway's own ends (``failed``). The terminal event of a success is held in ``final`` until
     the route has stored the response (a client that continues at once finds it)."""
@@ -453,38 +526,13 @@ class Events:
         self.opened = True
         return self._ev("response.created", response=self.resp) + self._ev("response.in_progress", response=self.resp)
 
-    def feed(self, events: bytes, sep: bytes) -> bytes:
-        out = [self.open()]
-        for ev in events.split(sep):
-            if not ev or self.ended:
-                continue
-            data = b"".join(line[5:].lstrip() for line in ev.splitlines() if line.startswith(b"data:"))
-            if not data:
-                continue
-            if data == b"[DONE]":
-                out.append(self.done())
-                continue
-            try:
-                chunk = orjson.loads(data)
-            except orjson.JSONDecodeError:
-                continue  # the relay's framer judged the event; an unreadable one carries nothing to show
-            if not isinstance(chunk, dict):
-                continue
-            if chunk.get("error") is not None:
-                e = chunk["error"]
-                msg = e.get("message") if isinstance(e, dict) else str(e)
-                out.append(self._failed({"code": "engine_error", "message": f"the engine reported: {msg}"}))
-                continue
-            out.append(self._chunk(chunk))
-        return b"".join(out)
+    def engine_failed(self, message: str) -> bytes:
+        return self._failed({"code": "engine_error", "message": message})
 
-    def _chunk(self, chunk: dict[str, Any]) -> bytes:
-        if chunk.get("usage"):
-            self.usage = usage_of(chunk["usage"])
-        choices = chunk.get("choices")
-        if not choices or not isinstance(choices, list) or not isinstance(choices[0], dict):
-            return b""
-        choice = choices[0]
+    def took(self, usage: Any) -> None:
+        self.usage = usage_of(usage)
+
+    def choice(self, choice: dict[str, Any]) -> bytes:
         if choice.get("finish_reason") is not None:
             self.finish_reason = choice["finish_reason"]
         delta = _obj(choice.get("delta"))

@@ -23,10 +23,10 @@ import orjson
 from h1lite.server import Request, Response, Stream, json_response
 from pdgate import responses
 from pdgate.auth import Tenant
-from pdgate.errors import InvalidJSON, NotFound, UpstreamError
+from pdgate.errors import NotFound, UpstreamError
 from pdgate.policies import session_key
 from pdgate.relay import SSE_HEADERS
-from pdgate.validation import CHAT, check_depth
+from pdgate.validation import CHAT, parse_body
 
 if TYPE_CHECKING:
     from pdgate.config import ResponsesConfig
@@ -78,13 +78,7 @@ class ResponsesRoute:
         return got
 
     async def create(self, request: Request) -> Response | Stream:
-        try:
-            body = orjson.loads(request.body)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise InvalidJSON("request body must be a JSON object")
-        check_depth(body)
+        body = parse_body(request.body)
         tenant = tenant_name(request)
         history: list[dict[str, Any]] = []
         session = None

@@ -58,6 +58,15 @@ class Upstream:
         """POST and read the whole answer (at most ``max_body`` bytes)."""
         return await self.client.fetch(base, "POST", path, data, headers=self.auth + headers)
 
+    async def post_within(self, base: str, path: str, data: bytes, timeout_s: float) -> tuple[int, bytes] | None:
+        """POST and read the whole answer within ``timeout_s``; None when the engine did not answer (a best-effort
+        question: ``/tokenize``)."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                return await self.post_read(base, path, data)
+        except (OSError, TimeoutError, ValueError):
+            return None
+
     async def post_small(self, base: str, path: str, data: bytes) -> int:
         """A small POST (an abort) within ``abort_timeout_s``; its status."""
         async with asyncio.timeout(self.abort_timeout_s):

@@ -10,10 +10,22 @@ from typing import Any
 
 import orjson
 
-from pdgate.errors import InvalidField
+from pdgate.errors import InvalidField, InvalidJSON
 
 CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"
 HEADROOM = 16  # levels the gateway may wrap a client's values in (a stored response, an echo): orjson writes 254
+
+
+def parse_body(raw: bytes) -> dict[str, Any]:
+    """A request's JSON object, checked for depth (``check_depth``); else a 400 naming why."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidJSON("request body must be a JSON object")
+    check_depth(body)
+    return body
 
 
 def check_depth(body: Any) -> None:

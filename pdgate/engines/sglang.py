@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -163,11 +162,8 @@ class SGLang:
         self.no_info.discard(url)  # whatever comes back up may be another engine
 
     async def count_tokens(self, url: str, chat: dict[str, Any], timeout_s: float) -> int | None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                return token_count(*await self.up.post_read(url, "/tokenize", tokenize_body(chat)))
-        except (OSError, TimeoutError, ValueError):
-            return None
+        got = await self.up.post_within(url, "/tokenize", tokenize_body(chat), timeout_s)
+        return token_count(*got) if got is not None else None
 
     async def identify(self, spec: WorkerSpec, timeout_s: float) -> Probe | None:
         """``/health`` 200, and ``/server_info`` naming the same disaggregation mode (a decode registered as a

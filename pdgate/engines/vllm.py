@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -171,9 +170,6 @@ class VLLM:
         self.no_abort.pop(url, None)  # whatever comes back up may offer it
 
     async def count_tokens(self, url: str, chat: dict[str, Any], timeout_s: float) -> int | None:
-        try:
-            async with asyncio.timeout(timeout_s):
-                return token_count(*await self.up.post_read(url, "/tokenize", tokenize_body(chat)))
-        except (OSError, TimeoutError, ValueError):
-            return None
+        got = await self.up.post_within(url, "/tokenize", tokenize_body(chat), timeout_s)
+        return token_count(*got) if got is not None else None
 
