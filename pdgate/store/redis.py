@@ -22,7 +22,8 @@ bounded place, 50 ms when not). One
 ``ACQUIRE`` is out at a time: what is asked while it is out goes in the next, so its batch grows with the load
 rather than the number of calls. Each
 heartbeat rewrites what this instance holds, whole, so a Redis that restarted empty has it back by the next
-one. Every call is bounded by ``timeout_s``; while Redis cannot be reached, limits fall back to this
+one. Every call on a request's path is bounded by ``timeout_s``, what is off it (the heartbeat, reaping, the
+worker set) by ``background_s`` (at least 1 s); while Redis cannot be reached, limits fall back to this
 process's share (each limit divided among the instances last seen: ``EmbeddedStore``) and nobody is taken
 for dead. Client keys never reach the store (tenants are named by their key's name); nothing in it lets its
 reader call an engine or an admin plane.
@@ -289,12 +290,18 @@ class RedisStore:
         self.prefix = cfg.prefix
         url = cfg.url if not cfg.url.startswith("unix:") or cfg.url.startswith("unix://") else "unix://" + cfg.url[5:]
         self.r = aioredis.Redis.from_url(url, username=cfg.username, password=secret(cfg),
-                                         socket_timeout=cfg.timeout_s * 4, socket_connect_timeout=cfg.timeout_s * 4,
+                                         # the outer cap: a request's calls are bounded by timeout_s themselves
+                                         socket_timeout=max(1.0, cfg.timeout_s * 20),
+                                         socket_connect_timeout=max(1.0, cfg.timeout_s * 20),
                                          max_connections=64)
         self.scripts = {name: self.r.register_script(src) for name, src in (
             ("acquire", ACQUIRE), ("give_back", GIVE_BACK), ("beat", BEAT), ("gone", GONE), ("forget", FORGET),
             ("add_worker", ADD_WORKER), ("remove_worker", REMOVE_WORKER), ("seed", SEED),
             ("put_response", PUT_RESPONSE))}
+        # what is off every request's path (the heartbeat, reaping, an operator's change) waits longer than a request's
+        # step may: on a loaded box a 50 ms bound kept a restarted process's heartbeat from ever landing (a
+        # reconnect inside it each time), so it was never in the registry
+        self.background_s = max(1.0, cfg.timeout_s * 20)
         self.instance = ""
         self.instances_seen = 1  # live instances at the last heartbeat (the fallback divides limits by it)
         self.registry: dict[str, dict[str, Any]] = {}  # their entries then (their learned limits among them)
@@ -330,15 +337,9 @@ class RedisStore:
         ms) bounds one EVALSHA, not a connect plus a SCRIPT LOAD on a loaded box (a test timed out so). Redis that
         does not answer now is not fatal: the calls fall back, and a script is loaded again where it is missing."""
         with contextlib.suppress(RedisError, OSError):
-            async with asyncio.timeout(max(1.0, self.cfg.timeout_s * 20)):
+            async with asyncio.timeout(self.background_s):
                 for script in self.scripts.values():
                     script.sha = await self.r.script_load(script.script)
-
-    async def _admin(self, name: str, *args: Any) -> Any:
-        """An operator's change of the worker set: off the request path, bounded as a reply to an operator is."""
-        self.round_trips += 1
-        async with asyncio.timeout(max(1.0, self.cfg.timeout_s * 20)):
-            return await self.scripts[name](args=[self.prefix, *args])
 
     async def close(self) -> None:
         """Withdraw: this instance stopped (drained), nobody needs to clean up after it."""
@@ -360,10 +361,11 @@ class RedisStore:
         with contextlib.suppress(RedisError, OSError):
             await self.r.aclose()
 
-    async def _call(self, name: str, *args: Any) -> Any:
-        """One script, bounded; ``RedisError`` / ``OSError`` (a timeout is one) when Redis does not answer."""
+    async def _call(self, name: str, *args: Any, bound: float | None = None) -> Any:
+        """One script, bounded (``timeout_s`` on a request's path; ``bound``: ``background_s`` off it);
+        ``RedisError`` / ``OSError`` (a timeout is one) when Redis does not answer."""
         self.round_trips += 1
-        async with asyncio.timeout(self.cfg.timeout_s):
+        async with asyncio.timeout(bound or self.cfg.timeout_s):
             return await self.scripts[name](args=[self.prefix, *args])
 
     async def _count(self, name: str, *args: Any) -> Any:
@@ -522,7 +524,8 @@ class RedisStore:
                                    orjson.dumps({**beat.info, "at": time.time()}).decode(),
                                    orjson.dumps({r: " ".join(ws) for r, ws in beat.rids.items()} or {}).decode(),
                                    orjson.dumps(beat.held).decode(), orjson.dumps(tenants).decode(),
-                                   orjson.dumps(sorted(beat.held)).decode(), "1" if whole else "0")
+                                   orjson.dumps(sorted(beat.held)).decode(), "1" if whole else "0",
+                                   bound=self.background_s)
             live = await self.instances()
         except (RedisError, OSError) as exc:
             self._lost(exc)
@@ -561,7 +564,7 @@ class RedisStore:
 
     async def instances(self) -> dict[str, dict[str, Any]] | None:
         try:
-            async with asyncio.timeout(self.cfg.timeout_s):
+            async with asyncio.timeout(self.background_s):
                 names = [_text(m) for m in await self.r.smembers(self.prefix + "known")]
                 names = sorted({*names, self.instance})
                 raw = await self.r.mget([self.prefix + "inst:" + n for n in names]) if names else []
@@ -572,14 +575,14 @@ class RedisStore:
 
     async def gone(self) -> list[str]:
         try:
-            return [g.decode() for g in await self._call("gone")]
+            return [g.decode() for g in await self._call("gone", bound=self.background_s)]
         except (RedisError, OSError) as exc:
             self._lost(exc)
             return []
 
     async def rids_of(self, instance: str) -> dict[str, tuple[str, ...]] | None:
         try:
-            async with asyncio.timeout(self.cfg.timeout_s), self.r.pipeline(transaction=True) as pipe:
+            async with asyncio.timeout(self.background_s), self.r.pipeline(transaction=True) as pipe:
                 pipe.set(self.prefix + "reap:" + instance, self.instance, nx=True, px=int(self.lease_s * 1000))
                 pipe.hgetall(self.prefix + "rids:" + instance)
                 claimed, got = await pipe.execute()
@@ -592,7 +595,7 @@ class RedisStore:
 
     async def forget(self, instance: str) -> None:
         with contextlib.suppress(RedisError, OSError):
-            await self._call("forget", instance)
+            await self._call("forget", instance, bound=self.background_s)
 
     # ---- the worker set ------------------------------------------------------------------------
     async def worker_set(self) -> tuple[int, list[dict[str, Any]]]:
@@ -602,14 +605,14 @@ class RedisStore:
         return self.version, [orjson.loads(v) for v in specs.values()]
 
     async def add_worker(self, spec: dict[str, Any]) -> str | None:
-        got = await self._admin("add_worker", orjson.dumps(spec).decode())
+        got = await self._call("add_worker", orjson.dumps(spec).decode(), bound=self.background_s)
         return got.decode() or None
 
     async def remove_worker(self, wid: str) -> bool:
-        return bool(await self._admin("remove_worker", wid))
+        return bool(await self._call("remove_worker", wid, bound=self.background_s))
 
     async def seed_workers(self, specs: list[dict[str, Any]]) -> None:
-        await self._admin("seed", orjson.dumps(specs).decode())
+        await self._call("seed", orjson.dumps(specs).decode(), bound=self.background_s)
 
     async def _listen(self) -> None:
         """The worker set's changes, pushed (a message missed while disconnected is caught by the heartbeat's
