@@ -50,11 +50,12 @@ def get(url: str, key: str | None = None) -> Any:
         return json.loads(r.read())
 
 
-def post(url: str, body: dict[str, Any] | None = None, key: str | None = None) -> tuple[int, Any, dict[str, str]]:
+def post(url: str, body: dict[str, Any] | None = None, key: str | None = None,
+         timeout: float = 30) -> tuple[int, Any, dict[str, str]]:
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), headers=headers)
     try:
-        with urllib.request.urlopen(req, timeout=30) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.status, json.loads(r.read()), dict(r.headers)
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"null"), dict(exc.headers)

@@ -190,28 +190,43 @@ async def test_a_deadline_mid_stream_ends_it_with_an_error_event_and_frees_both_
         pair: Pair, gw: Running, budget: str) -> None:
     """A long stream whose decode is frozen (SIGSTOP) after its first events, cut by its total budget (4 s from its
     start) or by its idle budget (1 s from the freeze): one error event naming the budget, then [DONE], on time;
-    after the decode runs again neither engine holds it."""
+    after the decode runs again neither engine holds it. The case needs the stream to start within the 4 s: when the
+    pair stalls before its first byte (seconds at times on two cores, docs/fidelity.md) the answer is a 504 naming
+    the budget, checked on time, and the try is made again (at most 3)."""
     headers = {"x-pdgate-timeout": "4"} if budget == "total" else {"x-pdgate-idle-timeout": "1"}
-    try:
-        async with aiohttp.ClientSession() as http:
-            t0 = time.monotonic()  # the total budget counts from here, the idle one from the decode's freeze
-            events: list[bytes] = []
-            async with http.post(gw.url + "/v1/chat/completions", headers=headers, json={
-                    "model": pair.model, "messages": MSG, "max_tokens": 1000, "stream": True, "ignore_eos": True}) as r:
-                assert r.status == 200
-                async for line in r.content:
-                    if line.startswith(b"data:"):
-                        events.append(line)
-                        if len(events) == 2:
-                            pair.decode.signal(signal.SIGSTOP)
-                            if budget == "idle":
-                                t0 = time.monotonic()
-            took = time.monotonic() - t0
-    finally:
-        pair.decode.signal(signal.SIGCONT)
+    limit = 4.0 if budget == "total" else 1.0
+    events: list[bytes] = []
+    for _ in range(3):
+        try:
+            async with aiohttp.ClientSession() as http:
+                t0 = time.monotonic()  # the total budget counts from here, the idle one from the decode's freeze
+                events = []
+                async with http.post(gw.url + "/v1/chat/completions", headers=headers, json={
+                        "model": pair.model, "messages": MSG, "max_tokens": 1000, "stream": True,
+                        "ignore_eos": True}) as r:
+                    if r.status == 504 and budget == "total":  # the pair stalled before the stream began
+                        body = await r.json()
+                        took = time.monotonic() - t0
+                        assert "total" in body["error"]["message"] and took < limit + SLACK_S, (body, took)
+                        await clean(pair)
+                        continue
+                    assert r.status == 200, await r.text()
+                    async for line in r.content:
+                        if line.startswith(b"data:"):
+                            events.append(line)
+                            if len(events) == 2:
+                                pair.decode.signal(signal.SIGSTOP)
+                                if budget == "idle":
+                                    t0 = time.monotonic()
+                took = time.monotonic() - t0
+        finally:
+            pair.decode.signal(signal.SIGCONT)
+        break
+    else:
+        raise AssertionError("three tries: the pair never began a stream within 4 s")
     assert events[-1].strip() == b"data: [DONE]" and b'"error"' in events[-2], events[-3:]
     assert budget.encode() in events[-2], events[-2]
-    assert took < (4.0 if budget == "total" else 1.0) + SLACK_S, took
+    assert took < limit + SLACK_S, took
     await clean(pair)
 
 
