@@ -305,13 +305,20 @@ class ProcessGroup:
                     fronts.pop(pid, None)
 
     async def ready(self, timeout_s: float = 60.0) -> bool:
-        """Whether every process is up (its registry entry is in the store) within ``timeout_s``."""
+        """Whether every process came up (its registry entry in the store) within ``timeout_s``. One that dies
+        before it came up fails the start; one that came up and died since (its entry outlives it until its lease
+        ends) does not: it is restarted as any other (a kill right after both were up, before this look saw them,
+        once stopped the whole group)."""
         end = time.monotonic() + timeout_s
+        seen: set[int] = set()  # the processes (by index) seen up, alive or not since
         while time.monotonic() < end:
-            if len(await self.members()) >= self.n:
+            pids = {m.get("pid") for m in (await registered(self.store) or {}).values()}
+            seen |= {c.index for c in self.children if c.proc is not None and c.proc.pid in pids}
+            if len(seen) >= self.n:
                 return True
-            if any(c.proc is not None and c.proc.returncode is not None for c in self.children):
-                return False  # one died before all were up: its start fails (its own log says why)
+            if any(c.proc is not None and c.proc.returncode is not None and c.index not in seen
+                   for c in self.children):
+                return False  # one died before it came up: its start fails (its own log says why)
             await asyncio.sleep(0.1)
         return False
 
