@@ -147,28 +147,16 @@ class Gate:
         self._again = False
 
     def on_transition(self, rec: Record, frm: Phase, to: Phase, spent: float) -> None:
-        """A record observer: dispatch to first token (prefill to decode) is the rate the queue's estimate uses,
-        and the prefill's latency sample for its learned limit; a stream's mean gap between events, the
-        decode's."""
+        """A record observer: dispatch to first token (prefill to decode) is the rate the queue's estimate uses."""
         if to is Phase.DECODE and frm is Phase.PREFILL and rec.dispatched_at is not None:
-            now = rec.phase_since + spent
-            self.rates.first_token(now - rec.dispatched_at)
-            if self.learning and rec.attempts:
-                w = self.routing.pool.by_id.get(rec.attempts[-1].prefill)
-                if w is not None and w.engine.prefill_answer_is_first_token:  # else: ``prefill_answered``
-                    self.learn(w.id, now - rec.dispatched_at, rec.deadlines.ttft_s, now)
-        elif to is Phase.COMPLETED and self.learning and rec.chunks > 2 and rec.first_token_at is not None \
-                and rec.attempts:
-            now = rec.phase_since + spent
-            self.learn(rec.attempts[-1].decode, (now - rec.first_token_at) / (rec.chunks - 1), rec.deadlines.idle_s,
-                       now)
+            self.rates.first_token(rec.phase_since + spent - rec.dispatched_at)
 
     def prefill_answered(self, w: Worker, rec: Record, now: float) -> None:
-        """A prefill whose answer is not the first token (vLLM: the decode has yet to read the KV) is measured by its
-        own answer: its first token also holds the decode's wait for the KV, the transfer's time and not the
-        prefill's (on real vLLM over NIXL on a busy CPU, 0.03-11.7 s: learned from that, the prefill's limit fell to
-        1 and a pair that serves four at once served one, 0.27x direct)."""
-        if self.learning and rec.dispatched_at is not None and not w.engine.prefill_answer_is_first_token:
+        """The prefill's latency sample for its learned limit: dispatch to its own answer, whatever the engine. Its
+        first token would also hold the decode's step (a paced decode's next tick: 56 ms on a prefill answering in
+        2 ms, and the prefill's limit fell to 1) and, on vLLM, the decode's wait for the KV and the transfer (over
+        NIXL on a busy CPU 0.03-11.7 s: learned from that, a pair that serves four at once served one)."""
+        if self.learning and rec.dispatched_at is not None:
             self.learn(w.id, now - rec.dispatched_at, rec.deadlines.ttft_s, now)
 
     def learn(self, wid: str, latency: float, budget: float, now: float) -> None:

@@ -27,6 +27,7 @@ from pdgate.store.base import Beat
 from pdgate.workers import Worker
 
 log = logging.getLogger("pdgate.server")
+LAG_TICK_S = 0.05  # the loop's lag is measured this often (20 wakeups a second, while limits are learned)
 QUEUED_BEAT_S = 0.1  # requests wait for slots other processes hold: what they hold is asked this often
 
 
@@ -87,6 +88,17 @@ class Control:
             self.tasks.append(loop.create_task(self.flush_metrics(gw.metrics.shared)))
         if self.lineage.enabled:
             self.tasks.append(loop.create_task(self.record()))
+        if gw.cfg.admission.learns:
+            self.tasks.append(loop.create_task(self.watch_lag()))
+
+    async def watch_lag(self, every_s: float = LAG_TICK_S) -> None:
+        """How late the loop runs a timer, every ``every_s``: what the learned limits take for the gateway's and the
+        host's load (``pdgate.limits.Lag``), never for the engine's."""
+        lag, clock = self.gw.pool.lag, time.monotonic
+        while True:
+            due = clock() + every_s
+            await asyncio.sleep(every_s)
+            lag.note(clock() - due, self.gw.clock())  # stamped on the gateway's clock, as the limits read it
 
     def owned(self) -> dict[str, tuple[str, ...]]:
         """The rids this process owns on the engines now: its live attempts' (on both legs' workers) and those that

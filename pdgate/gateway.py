@@ -6,7 +6,6 @@ stops it, the admin plane and the health checks read its parts.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import secrets
 import time
@@ -40,17 +39,13 @@ log = logging.getLogger("pdgate")
 
 
 def limit_rules(a: AdmissionConfig) -> dict[str, LimitRules] | None:
-    """Each role's rules for a learned limit (None: not learned, ``AdmissionConfig.learns``). A decode's gaps between
-    tokens may grow further than a prefill's latency before it counts as queueing: a decode batch's step
-    grows slowly with its size, and its users read at a pace."""
+    """Each role's rules for a learned limit (None: not learned, ``AdmissionConfig.learns``): the prefill's only. A
+    decode holds what it reports it can run (``pdgate.limits``: its gaps are the gateway's, the host's and the
+    reader's pace as much as its own)."""
     if not a.learns:
         return None
-    base = LimitRules(initial=a.learn_initial, cap=a.learn_cap or None, tolerance=a.learn_tolerance,
-                      window_s=a.learn_window_s)
-    return {"prefill": base, "decode": dataclasses.replace(base, tolerance=max(a.learn_tolerance, DECODE_TOLERANCE))}
-
-
-DECODE_TOLERANCE = 10.0
+    return {"prefill": LimitRules(initial=a.learn_initial, cap=a.learn_cap or None, tolerance=a.learn_tolerance,
+                                  window_s=a.learn_window_s)}
 
 
 class Gateway:

@@ -7,14 +7,20 @@ usually far less (prefill above all: batches are cut by tokens, so a prefill's l
 queued before it). The limiter learns the smaller figure from what the gateway measures, in the spirit of TCP
 Vegas and Netflix's gradient limiters:
 
-- **samples**: each request's latency on the worker (prefill: dispatch to first token; decode: the mean gap
-  between its events), and the engine's own compute queue where its adapter reads one (``Probe.waiting``);
+- **samples**: each request's latency on the prefill, as the engine answers it (dispatch to the prefill leg's
+  own answer: never the decode's step or pace), and the engine's own compute queue where its adapter reads one
+  (``Probe.waiting``). A decode's limit is not learned: its gaps between events stretch with the gateway's and the
+  host's load as much as with the engine's, and a stream's gaps are its reader's pace (2,000 paced streams on
+  defaults once ended with 64 complete); a decode holds what it reports it can run;
 - **baseline**: the least latency seen in the last ``window_s`` (its no-load figure; it follows a slower or a
   faster engine within that window);
 - **target**: ``tolerance`` times the baseline, and never more than ``budget_share`` of the sampled requests'
   least TTFT budget (the gateway's queue needs the rest of it to hold and shed);
-- **every ``update_s``**: latency above the target, or the engine's queue above ``queue_allowance``, cuts the
-  limit at once by the gradient (target / latency, at least halved, at most by 10%); with neither and the
+- **the host's share**: the gateway's own event loop is watched (``Lag``: how late a timer fires, the gateway's
+  and the host's CPU contention in one figure); latency above the target by no more than ``lag_factor`` times the
+  loop's recent lag is the gateway's or the host's, not the engine's, and cuts nothing (``held`` says so);
+- **every ``update_s``**: latency above the target (beyond the loop's lag), or the engine's queue above
+  ``queue_allowance``, cuts the limit at once by the gradient (target / latency, at least halved, at most by 10%); with neither and the
   limit binding (a request waited for this worker, or the worker held as many as it allowed) and new samples
   (or none ever: a worker whose requests have not ended yet), it grows:
   doubling until the first cut (slow start), then by a tenth (at least one); otherwise it holds. Always within
@@ -30,7 +36,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class LimitRules:
-    initial: int = 16  # the limit before anything was measured
+    initial: int = 16  # the limit before anything was answered
     floor: int = 1  # it never goes below
     cap: int | None = None  # the operator's cap (None: the engine's reported maximum only)
     tolerance: float = 2.0  # latency above this many times the baseline is queueing in the engine
@@ -41,6 +47,27 @@ class LimitRules:
     queue_allowance: int = 2  # the engine's own compute queue may hold this many before the limit is cut
     window_s: float = 10.0  # the baseline is the least latency within this window
     update_s: float = 0.5  # the limit moves at most this often
+    lag_factor: float = 4.0  # a latency sample spans a few turns of the gateway's loop: this many times its lag
+    slack_s: float = 0.005  # latency within this of the target is in time, whatever the lag
+    start_tolerance: float = 1.25  # slow start grows on answers within this many times the baseline (no queueing)
+
+
+@dataclass(slots=True)
+class Lag:
+    """How late the gateway's event loop runs its timers lately: the largest overshoot of the last ``span_s``
+    (``pdgate.control`` feeds it from a ticker). Pure: time from the caller."""
+
+    span_s: float = 2.0
+    _seen: deque[tuple[float, float]] = field(default_factory=lambda: deque(maxlen=512))  # (time, overshoot s)
+
+    def note(self, overshoot: float, now: float) -> None:
+        self._seen.append((now, max(0.0, overshoot)))
+
+    def recent(self, now: float) -> float:
+        seen = self._seen
+        while seen and seen[0][0] < now - self.span_s:
+            seen.popleft()
+        return max((o for _, o in seen), default=0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,16 +85,24 @@ class Move:
 @dataclass(slots=True)
 class Limiter:
     rules: LimitRules
+    host: Lag | None = None  # the gateway's loop lag (None: not watched, nothing discounted)
     limit: float = 0.0
     baseline: float | None = None  # seconds: the least latency in the window
     latency: float | None = None  # seconds: the median of the last update's samples
     waiting: int | None = None  # the engine's compute queue, as last probed
     slow_start: bool = True
     binding: bool = False  # since the last update, the limit held a request back
+    bound_at: float = -math.inf  # when it last did
+    first_bound_at: float | None = None  # when it first did
     next_at: float = 0.0
     budget: float = math.inf  # the least TTFT budget among this update's samples
     sampled_at: float = -math.inf  # its last sample (another gateway process takes its figure while it is recent)
+    lag: float | None = None  # the loop's lag at the last update (None: not watched)
+    held: str | None = None  # the last update's latency above target that the loop's lag explained (no cut)
     _fresh: bool = False  # ``waiting`` came with a probe since the last cut
+    _grown: int = 0  # slow start's growth since the last update
+    _told: int = 0  # the value at the last update
+    _low: float = math.inf  # the least sample since the last update
     _samples: list[float] = field(default_factory=list)
     _mins: deque[tuple[float, float]] = field(default_factory=deque)  # (time, least sample of an update)
     history: deque[tuple[float, int, str]] = field(default_factory=lambda: deque(maxlen=64))  # (t, limit, why)
@@ -88,10 +123,23 @@ class Limiter:
         """A request's latency on the worker (``budget``: its TTFT budget). What moved, if the limit did."""
         if len(self._samples) < 512:  # bounded between updates: the median of the first 512 is enough
             self._samples.append(latency)
+        if latency < self._low:
+            self._low = latency
         self.sampled_at = now
         if budget < self.budget:
             self.budget = budget
+        if self.slow_start and now - self.bound_at <= self.rules.update_s:
+            base = self._low if self.baseline is None else min(self.baseline, self._low)
+            if latency <= self.rules.start_tolerance * base + self.allowance():  # no queueing, requests waited: +1
+                top = float(self.top(engine_max))
+                if self.limit < top:
+                    self.limit = min(top, self.limit + 1)
+                    self._grown += 1
         return self.update(now, engine_max)
+
+    def allowance(self) -> float:
+        """Latency above the target that is not the engine's: the slack, or the loop's lag as last read."""
+        return max(self.rules.slack_s, self.rules.lag_factor * (self.lag or 0.0))
 
     def queue(self, waiting: int | None, now: float, engine_max: int | None) -> Move | None:
         """The engine's compute queue for the worker's role, as probed (None: it says none)."""
@@ -100,7 +148,9 @@ class Limiter:
 
     def held_back(self, now: float, engine_max: int | None) -> Move | None:
         """A request found the worker at its limit."""
-        self.binding = True
+        self.binding, self.bound_at = True, now
+        if self.first_bound_at is None:
+            self.first_bound_at = now
         return self.update(now, engine_max)
 
     def update(self, now: float, engine_max: int | None) -> Move | None:
@@ -115,27 +165,29 @@ class Limiter:
             self.latency = s[len(s) // 2]
             self._mins.append((now, s[0]))
             s.clear()
+            self._low = math.inf
         mins = self._mins
         while mins and mins[0][0] < now - r.window_s:
             mins.popleft()
         if mins:
             self.baseline = min(m for _, m in mins)
-        before = self.value(engine_max)
-        why = self._move(engine_max, fresh)
+        before = self._told or self.value(engine_max)  # slow start may have grown it since the last update
+        why = self._move(engine_max, fresh, now)
         self.binding, self.budget = False, math.inf
-        after = self.value(engine_max)
+        after = self._told = self.value(engine_max)
         if why is None or after == before:
             return None
         self.history.append((now, after, why))
         return Move(before, after, why)
 
     def target(self) -> float | None:
-        if self.baseline is None:
-            return None
-        r = self.rules
-        return min(r.tolerance * self.baseline, max(r.budget_share * self.budget, r.min_tolerance * self.baseline))
+        return None if self.baseline is None else self._target(self.baseline)
 
-    def _move(self, engine_max: int | None, fresh: bool) -> str | None:
+    def _target(self, baseline: float) -> float:
+        r = self.rules
+        return min(r.tolerance * baseline, max(r.budget_share * self.budget, r.min_tolerance * baseline))
+
+    def _move(self, engine_max: int | None, fresh: bool, now: float) -> str | None:
         r = self.rules
         top = float(self.top(engine_max))
         if self.limit > top:  # the engine or the operator lowered its maximum
@@ -143,18 +195,36 @@ class Limiter:
         target, lat = self.target(), self.latency if fresh else None
         queued = self._fresh and self.waiting is not None and self.waiting > r.queue_allowance
         slow = target is not None and lat is not None and lat > target
+        if self.host is not None:
+            self.lag = self.host.recent(now)
+        if fresh:
+            self.held = None
+        grown, self._grown = self._grown, 0
+        if slow and not queued and lat is not None and target is not None and lat - target <= self.allowance():
+            if self.rules.lag_factor * (self.lag or 0.0) > r.slack_s:  # the gateway's or the host's load
+                self.held = (f"latency {lat * 1000:.1f}ms above its target {target * 1000:.1f}ms by no more than "
+                             f"{r.lag_factor:g}x the gateway's loop lag {self.lag * 1000:.1f}ms: not cut"
+                             if self.lag is not None else None)
+            return self._grew(grown)  # nor grown further: it holds until the engine's own figures say which way
         if slow or queued:
             grad = max(0.5, min(0.9, target / lat)) if slow and target and lat else 0.75
             self.limit = max(float(r.floor), self.limit * grad)
             self.slow_start = False
             self._fresh = False  # judged once: the next cut needs new samples or a new probe
-            return (f"latency {lat:.3f}s above its target {target:.3f}s" if slow and lat is not None and target
-                    else f"the engine queues {self.waiting} requests itself")
-        if self.binding and (fresh or self.baseline is None):  # it grows on evidence (or before there is any)
-            step = self.limit if self.slow_start else max(self.rules.probe_step, self.limit / 10)
-            self.limit = min(top, self.limit + step)
-            return "it keeps up and requests waited for it"
-        return None
+            return (f"engine latency {lat:.3f}s above its target {target:.3f}s" if slow and lat is not None and target
+                    else f"engine queue: it queues {self.waiting} requests itself")
+        if not self.slow_start and self.binding and fresh:  # it grows on evidence
+            self.limit = min(top, self.limit + max(self.rules.probe_step, self.limit / 10))
+            return "engine keeps up and requests waited for it"
+        if (self.slow_start and self.binding and self.baseline is None and self.first_bound_at is not None
+                and now - self.first_bound_at >= 2 * r.update_s):  # no answer yet, requests wait: it answers late
+            self.limit = min(top, 2 * self.limit)
+            return f"no answer yet {now - self.first_bound_at:.1f}s after requests began to wait: doubled"
+        return self._grew(grown)
+
+    @staticmethod
+    def _grew(grown: int) -> str | None:
+        return f"engine keeps up: slow start, +{grown} answered in time while requests waited" if grown else None
 
     def measured(self, now: float) -> bool:
         """Whether it rests on samples of the last window (a figure other gateway processes may take)."""
@@ -163,6 +233,8 @@ class Limiter:
     def view(self, engine_max: int | None) -> dict[str, object]:
         return {"limit": self.value(engine_max), "baseline_ms": _ms(self.baseline), "latency_ms": _ms(self.latency),
                 "target_ms": _ms(self.target()), "engine_waiting": self.waiting, "slow_start": self.slow_start,
+                "loop_lag_ms": _ms(self.lag),
+                "held": self.held,
                 "history": [{"t": round(t0, 3), "limit": n, "why": why} for t0, n, why in self.history]}
 
 

@@ -114,19 +114,27 @@ def workers_table(data: dict[str, Any], wide: bool = False, width: int | None = 
                     _s(" ".join(f"{k}:{v}" for k, v in (w.get("reaped") or {}).items()) or "-"),
                     _s(w.get("last_error"))]
         rows.append(row)
-    title = ("workers (limit from: set, engine, or learned as baseline/latency/target ms and its last moves; gone "
+    title = ("workers (limit from: set, engine, or learned as baseline/latency/target ms, the gateway's loop lag ms, "
+             "its last moves and what moved it; gone "
              "rids aborted: a stopped gateway's requests this worker held)" if wide else "workers")
     return layout(title, cols, rows, width)
 
 
 def learned_line(lv: dict[str, Any]) -> str:
-    """A learned limit's inputs and its last moves, in one cell."""
-    moves = " ".join(str(h["limit"]) for h in lv.get("history", [])[-6:])
+    """A learned limit's inputs, the gateway's loop lag, its last moves and the signal that moved it last (the
+    engine's latency, the engine's queue, or neither: held, the loop's lag explaining the latency), in one cell."""
+    history = lv.get("history", [])
+    moves = " ".join(str(h["limit"]) for h in history[-6:])
     if lv.get("baseline_ms") is None and not moves:
         return "learned, nothing measured yet"
+    last = history[-1]["why"] if history else ""
+    signal = ("engine latency" if last.startswith("engine latency") else "engine queue" if last.startswith(
+        "engine queue") else "grew: engine keeps up" if last else "")
     return (f"{lv.get('baseline_ms')}/{lv.get('latency_ms')}/{lv.get('target_ms')}"
             + (f" q={lv['engine_waiting']}" if lv.get("engine_waiting") is not None else "")
-            + (f"; {moves}" if moves else ""))
+            + (f" lag={lv['loop_lag_ms']}" if lv.get("loop_lag_ms") is not None else "")
+            + (f"; {moves}" if moves else "") + (f" (last: {signal})" if signal else "")
+            + ("; held: the loop's lag explains its latency" if lv.get("held") else ""))
 
 
 def trace_view(t: dict[str, Any]) -> Group:

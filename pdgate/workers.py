@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pdgate.config import BreakerConfig, WorkerSpec
 from pdgate.engines.base import Probe
-from pdgate.limits import Limiter, LimitRules, Move
+from pdgate.limits import Lag, Limiter, LimitRules, Move
 
 if TYPE_CHECKING:
     from pdgate.engines.base import Engine
@@ -321,6 +321,7 @@ class Pool:
                  capacity: int | None = None, rules: dict[str, LimitRules] | None = None) -> None:
         self._breaker = breaker
         self._rules = rules  # by role: each worker learns its limit (None: it does not)
+        self.lag = Lag()  # the gateway's loop lag, fed by ``pdgate.control``: what the learned limits discount
         self._engines = engines  # engine kind -> its adapter
         self._capacity = capacity or None
         self.observers = observers
@@ -345,9 +346,9 @@ class Pool:
             raise ValueError(f"worker id {wid!r} is taken or not a {spec.role} id")
         engine = self._engines(spec.engine)  # an unknown kind raises here, before anything is registered
         self._seq[spec.role] = max(self._seq[spec.role], int(wid[1:]) + 1)
-        rules = None if self._capacity or self._rules is None else self._rules[spec.role]
+        rules = None if self._capacity or self._rules is None else self._rules.get(spec.role)
         w = Worker(wid, spec, CircuitBreaker(self._breaker), engine, self.observers,
-                   slots=Slots(configured=self._capacity, learned=Limiter(rules) if rules else None))
+                   slots=Slots(configured=self._capacity, learned=Limiter(rules, self.lag) if rules else None))
         self.by_id[wid] = w
         getattr(self, spec.role).append(w)
         self._kinds()

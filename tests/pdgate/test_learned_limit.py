@@ -131,3 +131,49 @@ async def test_gateway_processes_on_one_store_hold_the_least_limit_any_of_them_l
             await asyncio.sleep(0.02)
         assert [t.result() for t in sent] == [200] * 10
         assert 1 <= most <= 2, f"the prefill held {most} of b's requests at once; a's limit is 2"
+
+
+async def test_paced_streams_are_not_held_back_by_a_learned_decode_limit(procs: Procs, gateways: list[Any]) -> None:
+    """Defaults, a paced decode (10 events/s, ``loadtest.fakeworker``) and a prefill that answers at once: after one
+    short stream has ended, 150 streams of 3 s arrive within half a second. Each gets its first event within 1.5 s of
+    its start and all 150 end with [DONE] (client's clock). The decode's limit was learned from its gaps: after the
+    short stream it had a baseline, long streams give no sample until they end, and it stayed at 16 while 134 waited
+    (400 such streams: 144 timed out)."""
+    import sys
+    from types import SimpleNamespace
+
+    from tests.procs import free_port, wait_http
+
+    workers = []
+    for role, extra in (("prefill", []), ("decode", ["--tokens-per-s", "10"])):
+        port = free_port()
+        w = procs.spawn([sys.executable, "-m", "loadtest.fakeworker", "--role", role, "--port", str(port), *extra],
+                        name=role)
+        wait_http(f"http://127.0.0.1:{port}/health", proc=w.popen)
+        workers.append(SimpleNamespace(url=f"http://127.0.0.1:{port}", bootstrap_port=free_port()))
+    g = await start_gateway(make_config([workers[0]], [workers[1]]))  # type: ignore[list-item]
+    gateways.append(g)
+
+    async def stream(http: aiohttp.ClientSession, n: int) -> tuple[float | None, bool]:
+        """(seconds to the first event, whether it ended with [DONE])."""
+        t0, first, done = time.monotonic(), None, False
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": n, "stream": True}
+        async with http.post(g.url + "/v1/chat/completions", json=body) as r:
+            async for line in r.content:
+                if line.startswith(b"data:"):
+                    first = first if first is not None else time.monotonic() - t0
+                    done = line.strip() == b"data: [DONE]"
+        return first, done
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30),
+                                     connector=aiohttp.TCPConnector(limit=0)) as http:  # not aiohttp's 100 at once
+        assert (await stream(http, 3))[1]  # the decode has a baseline now
+
+        async def later(i: int) -> tuple[float | None, bool]:
+            await asyncio.sleep(i / 300)
+            return await stream(http, 30)
+
+        out = await asyncio.gather(*(later(i) for i in range(150)))
+    slow = sorted(f for f, _ in out if f is None or f > 1.5)
+    assert all(d for _, d in out), f"{sum(not d for _, d in out)} of 150 streams did not end with [DONE]"
+    assert not slow, f"{len(slow)} of 150 streams waited over 1.5 s for their first event: {slow[:5]}"

@@ -3,6 +3,7 @@ after the engine speeds up again, and a closed-loop model of a serialised engine
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -11,16 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdgate.limits import Limiter, LimitRules
+from pdgate.limits import Lag, Limiter, LimitRules
 
 RULES = LimitRules(initial=16, floor=1, tolerance=2.0, window_s=10.0, update_s=0.5)
 
 
 def drive(lim: Limiter, t: float, latency: float, budget: float = 60.0, engine_max: int | None = 1024,
-          binding: bool = True, steps: int = 1) -> float:
-    """``steps`` updates, each with a few samples of ``latency`` (and the limit binding)."""
+          binding: bool = True, steps: int = 1, per_step: int = 4) -> float:
+    """``steps`` updates, each with ``per_step`` samples of ``latency`` (and the limit binding)."""
     for _ in range(steps):
-        for _ in range(4):
+        for _ in range(per_step):
             lim.sample(latency, budget, t, engine_max)
         if binding:
             lim.held_back(t, engine_max)
@@ -74,7 +75,34 @@ def test_it_grows_only_when_something_waited_for_it() -> None:
     assert lim.value(1024) == 16
     lim2 = Limiter(RULES)
     drive(lim2, 0.0, 0.1, binding=True, steps=10)
-    assert lim2.value(1024) == 1024  # slow start: doubles while it keeps up, up to the engine's maximum
+    assert lim2.value(1024) == 16 + 9 * 4  # slow start: one more for every answer in time while requests waited
+    lim3 = Limiter(RULES)
+    drive(lim3, 0.0, 0.1, binding=True, steps=10, per_step=200)
+    assert lim3.value(1024) == 1024  # ... up to the engine's maximum
+
+
+def test_slow_start_sends_a_slow_engine_no_more_than_its_answers_vouch_for() -> None:
+    """A cold start on an engine serving one request at a time in 0.2 s, its answers the only evidence: it grows only
+    on answers that show no queueing (here the first, to 5); doubling at the first queued request whatever came back
+    (as before) sent it 32 at once, and those dispatched last missed a 1.5 s TTFT budget."""
+    lim = Limiter(dataclasses.replace(RULES, initial=4))
+    seen = []
+    for k in range(1, 5):  # the four first ones waited behind each other in the engine
+        lim.held_back(0.2 * k - 0.01, 1024)
+        lim.sample(0.2 * k, 1.5, 0.2 * k, 1024)
+        seen.append(lim.value(1024))
+    assert seen[0] == 5 and max(seen) == 5 and seen[-1] < 5, (seen, lim.view(1024))  # then cut: it queues
+
+
+def test_before_any_answer_it_doubles_only_once_requests_waited_a_second() -> None:
+    """An engine that answers late (a prefill held until its decode is done): no answer at all, requests waiting:
+    nothing grows within 2 updates (a cold start's first answers come in that time), then it doubles."""
+    lim = Limiter(dataclasses.replace(RULES, initial=4))
+    lim.held_back(0.0, 1024)
+    lim.held_back(0.55, 1024)
+    assert lim.value(1024) == 4, "nothing grows before the first answer, within a second"
+    lim.held_back(1.1, 1024)
+    assert lim.value(1024) == 8 and "no answer yet" in lim.history[-1][2], lim.view(1024)
 
 
 def test_recovery_after_the_engine_speeds_up_again() -> None:
@@ -107,7 +135,7 @@ def test_an_engine_slow_against_the_budget_may_still_queue_a_little() -> None:
 
 def test_no_limit_off_the_rules_even_for_an_engine_that_lowers_its_maximum() -> None:
     lim = Limiter(RULES)
-    drive(lim, 0.0, 0.1, steps=10)
+    drive(lim, 0.0, 0.1, steps=10, per_step=200)
     assert lim.value(1024) == 1024
     assert lim.value(8) == 8
     lim.update(100.0, 8)
@@ -170,3 +198,27 @@ def test_connections_follow_what_the_engine_runs() -> None:
     assert w.conns() == 8192 + CONN_HEADROOM and w.capacity == 16, "the engine's figure, not the learned 16"
     w.slots.configured = 20000
     assert w.conns() == 20000 + CONN_HEADROOM and w.capacity == 20000, "set by hand: that figure"
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_latency_the_gateways_loop_lag_explains_cuts_nothing(watched: bool) -> None:
+    """A prefill answering in 1 ms alone, 20 ms while the gateway's loop runs 10 ms late (400 paced streams on two
+    cores): that is the gateway's and the host's load, and the limit holds (and says why). With the loop not watched
+    (the mechanism off) it is cut to the floor in a few updates, as it was. Latency beyond what the lag explains
+    (100 ms) is the engine's, watched or not."""
+    lag = Lag()
+    lim = Limiter(RULES, lag if watched else None)
+    t = drive(lim, 0.0, 0.001, steps=2)  # baseline 1 ms
+    before = lim.value(1024)
+    for _ in range(8):
+        lag.note(0.010, t)
+        t = drive(lim, t, 0.020)
+    if watched:  # within what the lag explains: in time (slow start may even grow it), never cut
+        assert lim.value(1024) >= before and lim.held and "loop lag" in lim.held, lim.view(1024)
+        assert lim.view(1024)["loop_lag_ms"] == 10.0
+        lag.note(0.010, t)
+        held = lim.value(1024)
+        drive(lim, t, 0.100)
+        assert lim.value(1024) < held and "engine latency" in lim.history[-1][2]
+    else:
+        assert lim.value(1024) == 1, lim.view(1024)
