@@ -47,7 +47,7 @@ from rich.progress import Progress
 
 from loadtest import overload, streams
 from loadtest.output import pyplot, save, write
-from loadtest.procs import Proc, Stack, cpu_seconds, free_port, require_router, wait_http
+from loadtest.procs import PEERS, Proc, Stack, cpu_seconds, free_port, peer_cmd, require_router, wait_http
 from pdgate.views import layout
 
 PING = b'{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}'
@@ -94,13 +94,9 @@ def start_targets(stack: Stack, mini_lb: bool, fake: bool = False) -> tuple[dict
                                "--prefill", workers["prefill"], str(bp),
                                "--decode", workers["decode"], "--log-level", "WARNING"])
     targets["pdgate"] = (f"http://127.0.0.1:{gp}", g)
-    routers: list[tuple[str, list[str]]] = [("sglang-router", [])] + ([("mini_lb", ["--mini-lb"])] if mini_lb else [])
-    for name, extra in routers:
+    for name in (*PEERS, *(("mini_lb",) if mini_lb else ())):  # SMG 1.13 and sglang-router on their defaults
         rp = free_port()
-        r = stack.spawn(name, [py, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
-                               "--port", str(rp), "--prefill", workers["prefill"], str(bp), "--decode", workers["decode"],
-                               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                               "--log-level", "warn", *extra])
+        r = stack.spawn(name, peer_cmd(name, rp, [(workers["prefill"], bp)], [workers["decode"]]))
         targets[name] = (f"http://127.0.0.1:{rp}", r)
     for url, proc in targets.values():
         if url:
@@ -131,14 +127,10 @@ def start_vllm_targets(stack: Stack, tmp: Path) -> tuple[dict[str, Any], dict[st
                    f'[[decode]]\nurl = "{workers["decode"]}"\nengine = "vllm"\n')
     g = stack.spawn("pdgate", [py, "-m", "pdgate", "serve", "--config", str(cfg), "--log-level", "WARNING"])
     targets["pdgate"] = (f"http://127.0.0.1:{gp}", g)
-    smg = Path(sys.executable).with_name("smg")
-    if smg.exists():
-        sp = free_port()
-        r = stack.spawn("smg", [str(smg), "launch", "--host", "127.0.0.1", "--port", str(sp), "--pd-disaggregation",
-                                "--prefill", workers["prefill"], "--decode", workers["decode"],
-                                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-                                "--log-level", "warn"])
-        targets["smg"] = (f"http://127.0.0.1:{sp}", r)
+    require_router()
+    sp = free_port()
+    targets["smg"] = (f"http://127.0.0.1:{sp}", stack.spawn("smg", peer_cmd(
+        "smg", sp, [(workers["prefill"], None)], [workers["decode"]])))
     ping = PING.replace(b"sim-model", VLLM_MODEL.encode())
     for url, proc in targets.values():  # the first transfer makes NIXL's handshake (up to ~35 s here)
         if url:

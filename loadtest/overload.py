@@ -9,7 +9,7 @@ the total budget plus a second (a router that ignores deadlines is then seen ans
 
 Targets, in one run on the same workers: pdgate on its defaults (the limit learned), pdgate with ``[admission]
 capacity`` set by hand to ``--hand-capacity`` (the engine's real concurrency), pdgate with admission off
-(``[admission] enabled = false``), sglang-router as it is, and sglang-router with its concurrency limit
+(``[admission] enabled = false``), sglang-router and SMG 1.13 as they are, and sglang-router with its concurrency limit
 (``--hand-capacity``) and queue (``--max-concurrent-requests``, ``--queue-size``, ``--queue-timeout-secs`` = the
 TTFT budget).
 
@@ -46,7 +46,7 @@ import uvloop
 from rich.console import Console
 
 from loadtest.output import pyplot, save, write
-from loadtest.procs import Proc, free_port, require_router, wait_http, worker_tables
+from loadtest.procs import Proc, free_port, peer_cmd, require_router, wait_http, worker_tables
 from pdgate.views import layout
 
 BODY = {"model": "sim-model", "messages": [{"role": "user", "content": "say hi"}], "max_tokens": 8}
@@ -153,7 +153,8 @@ def summarize(reqs: list[dict[str, Any]], seconds: float, capacity: float, total
         "goodput_rps": round(len(steady) / window, 2), "goodput_x_capacity": round(len(steady) / window / capacity, 3),
         "terminal_within_deadline": round(len(terminal) / n, 4) if n else None,
         "late_or_unanswered": len(late),
-        "shed": len(shed), "shed_p50_ms": pct(shed, 0.5), "shed_p99_ms": pct(shed, 0.99),
+        "shed": len(shed), "shed_p50_ms": pct(shed, 0.5), "shed_p90_ms": pct(shed, 0.9),
+        "shed_p99_ms": pct(shed, 0.99),
         "deadline_504": sum(1 for r in reqs if r["status"] == 504),
         "e2e_ok_p50_ms": pct([r["s"] for r in good], 0.5), "e2e_ok_p99_ms": pct([r["s"] for r in good], 0.99),
         "prefill_forwards": int(forwards), "wasted_prefills": max(0, int(forwards) - len(good)),
@@ -163,7 +164,7 @@ def summarize(reqs: list[dict[str, Any]], seconds: float, capacity: float, total
 
 def start(tmp: Path, a: argparse.Namespace, procs: list[Proc],
           admins: dict[str, str] | None = None) -> tuple[dict[str, str], str, str]:
-    """The workers and the five targets; every process goes into ``procs`` as soon as it starts (``admins``: the
+    """The workers and the six targets; every process goes into ``procs`` as soon as it starts (``admins``: the
     pdgate targets' admin planes, filled)."""
     require_router()
     py = sys.executable
@@ -190,16 +191,13 @@ def start(tmp: Path, a: argparse.Namespace, procs: list[Proc],
         procs.append(Proc([py, "-m", "pdgate", "serve", "--config", str(cfg), "--log-level", "WARNING"], {},
                           tmp / f"{name}.log").start())
         targets[name] = f"http://127.0.0.1:{port}"
-    routers = [("sglang-router", []), ("sglang-router+queue", [
+    routers: list[tuple[str, str, tuple[str, ...]]] = [("sglang-router", "sglang-router", ()), ("smg", "smg", ()), (
         # its queue timeout takes whole seconds: the TTFT budget, rounded down (a request waits no longer)
-        "--max-concurrent-requests", str(hand), "--queue-size", "1024",
-        "--queue-timeout-secs", str(max(1, int(a.ttft)))])]
-    for name, extra in routers:
+        "sglang-router+queue", "sglang-router", ("--max-concurrent-requests", str(hand), "--queue-size", "1024",
+                                                 "--queue-timeout-secs", str(max(1, int(a.ttft)))))]
+    for name, kind, extra in routers:
         port = free_port()
-        procs.append(Proc([py, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1",
-                           "--port", str(port), "--prefill", pre, str(bp), "--decode", dec, "--prometheus-host",
-                           "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn", *extra], {},
-                          tmp / f"{name}.log").start())
+        procs.append(Proc(peer_cmd(kind, port, [(pre, bp)], [dec], extra), {}, tmp / f"{name}.log").start())
         targets[name] = f"http://127.0.0.1:{port}"
     for (name, url), proc in zip(targets.items(), procs[2:], strict=True):
         wait_http(url + ("/readiness" if name.startswith("pdgate") else "/health"), timeout=60, proc=proc.popen)
@@ -226,13 +224,13 @@ async def measure(a: argparse.Namespace, targets: dict[str, str], pre: str, dec:
 
 def report(console: Console, out: dict[str, Any]) -> None:
     """As the CLI lays tables out (``pdgate.views.layout``): values whole, records where the columns do not fit."""
-    cols = ["target", "load", "offered/s", "goodput/s", "x cap", "terminal in deadline", "shed", "shed p99 ms",
+    cols = ["target", "load", "offered/s", "goodput/s", "x cap", "terminal in deadline", "shed", "shed p90/p99 ms",
             "504", "late", "ok p50 ms", "wasted prefills"]
     rows: list[list[Any]] = []
     for load, per in out["results"].items():
         for name, m in per.items():
             rows.append([name, load, str(m["offered_rps"]), str(m["goodput_rps"]), str(m["goodput_x_capacity"]),
-                      f"{m['terminal_within_deadline']:.1%}", str(m["shed"]), str(m["shed_p99_ms"]),
+                      f"{m['terminal_within_deadline']:.1%}", str(m["shed"]), f"{m['shed_p90_ms']}/{m['shed_p99_ms']}",
                       str(m["deadline_504"]), str(m["late_or_unanswered"]), str(m["e2e_ok_p50_ms"]),
                       str(m["wasted_prefills"])])
     console.print(layout(f"overload: capacity {out['capacity_rps']} req/s, ttft budget {out['ttft_s']} s, total "

@@ -8,6 +8,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -170,6 +171,27 @@ def require_router() -> None:
 
     if importlib.util.find_spec("sglang_router") is None:
         raise SystemExit(f"loadtest: {ROUTER_MISSING}")
+    if not SMG.exists():
+        raise SystemExit(f"loadtest: {SMG_MISSING}")
+
+
+SMG = Path(os.environ.get("PDGATE_PEERS_DIR") or Path.home() / ".cache" / "pdgate" / "peers") / "smg" / "bin" / "smg"
+SMG_MISSING = "SMG 1.13 is not installed here, and this comparison runs it: bash loadtest/install_smg.sh"
+PEERS = ("sglang-router", "smg")  # the PD routers a comparison runs beside pdgate: sglang-router 0.3.2 and SMG 1.13
+
+
+def peer_cmd(kind: str, port: int, prefills: list[tuple[str, int | None]], decodes: list[str],
+             extra: tuple[str, ...] = ()) -> list[str]:
+    """The command line of a peer PD router on its defaults (``kind``: ``sglang-router``, ``mini_lb``, the same with
+    ``--mini-lb``, or ``smg``: SMG's ``smg launch``, the Rust gateway that replaced sglang-router), on loopback,
+    its metrics on a port of their own."""
+    pre = [x for u, b in prefills for x in ("--prefill", u, *([str(b)] if b is not None else []))]
+    dec = [x for d in decodes for x in ("--decode", d)]
+    head = ([str(SMG), "launch"] if kind == "smg"
+            else [sys.executable, "-m", "sglang_router.launch_router"])
+    return [*head, "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port), *pre, *dec,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn",
+            *(["--mini-lb"] if kind == "mini_lb" else []), *extra]
 
 
 def worker_tables(prefills: list[tuple[str, int]], decodes: list[str]) -> str:

@@ -44,7 +44,7 @@ from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from loadtest.output import pyplot, save, write
-from loadtest.procs import Proc, Stack, cpu_seconds, free_port, require_router, tree, wait_http, worker_tables
+from loadtest.procs import PEERS, Proc, Stack, cpu_seconds, free_port, peer_cmd, require_router, tree, wait_http, worker_tables
 from loadtest.streamclient import raise_nofile
 
 RAMP_PER_S = 500  # new streams a second, by default
@@ -139,7 +139,7 @@ def target_names(a: argparse.Namespace) -> list[str]:
 
 
 def gateway_args(name: str, eng: dict[str, Any], port: int, cfg: Path) -> list[str]:
-    """The command line of gateway ``name`` (``pdgate``, ``pdgate-wK``, ``sglang-router``) on ``port``."""
+    """The command line of gateway ``name`` (``pdgate``, ``pdgate-wK``, ``sglang-router``, ``smg``) on ``port``."""
     py = sys.executable
     if name.startswith("pdgate"):
         # the defaults but two: no access log in a benchmark; the fake engines keep no request list to reconcile with
@@ -149,10 +149,7 @@ def gateway_args(name: str, eng: dict[str, Any], port: int, cfg: Path) -> list[s
         workers = int(name.split("-w", 1)[1]) if "-w" in name else 1
         return [py, "-m", "pdgate", "serve", "--config", str(cfg), "--port", str(port), "--admin-port", str(free_port()),
                 "--log-level", "WARNING"] + (["--workers", str(workers)] if workers > 1 else [])
-    decodes = [x for d in eng["decodes"] for x in ("--decode", d)]
-    return [py, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--host", "127.0.0.1", "--port", str(port),
-            "--prefill", eng["prefill"], str(eng["bootstrap_port"]), *decodes, "--prometheus-host", "127.0.0.1",
-            "--prometheus-port", str(free_port()), "--log-level", "warn"]
+    return peer_cmd(name, port, [(eng["prefill"], eng["bootstrap_port"])], eng["decodes"])
 
 
 def start_target(stack: Stack, name: str, eng: dict[str, Any]) -> tuple[str, Proc]:
@@ -486,6 +483,6 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="--streams-workload: relay capacity is where the p99 added over direct passes this")
     p.add_argument("--pdgate-workers", type=int, nargs="+", default=[1], metavar="K",
                    help="--streams-workload: pdgate once per K (K > 1: a target 'pdgate-wK', pdgate serve --workers K)")
-    p.add_argument("--streams-targets", nargs="+", choices=("pdgate", "sglang-router"),
-                   default=["pdgate", "sglang-router"],
+    p.add_argument("--streams-targets", nargs="+", choices=("pdgate", *PEERS),
+                   default=["pdgate", *PEERS],
                    help="--streams-workload: the gateways measured (direct always is: it is the baseline)")
