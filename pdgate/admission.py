@@ -267,14 +267,14 @@ class Gate:
         q, cfg = self.queue, self.cfg
         over = q.over_share(tenant, weight)
         status = 429 if over else 503
-        rate = self.rates.drain_rate(now)
+        rate = self.rates.drain_rate(now) or self.rates.little(self.running())
         if q.n >= cfg.max_queue:
             wait = q.n / rate if rate else 1.0
             self.shed(rec, "queue_full", status, wait, f"the gateway's queue is full ({q.n} requests wait)"
                       + (" and this key holds more than its share of it" if over else ""))
         due = first_due(rec)
         if cfg.shed:
-            expect = self.rates.wait_s(q.ahead_of(rank, tenant, due, weight), now)
+            expect = self.rates.wait_s(q.ahead_of(rank, tenant, due, weight), now, rate)
             if expect is not None and rate is not None and now + expect * SHED_MARGIN > due:
                 wait = expect
                 budget = min(rec.deadlines.ttft_s, rec.deadlines.total_s)
@@ -283,11 +283,16 @@ class Gate:
                           f"past this request's ttft budget of {budget:g}s" + (
                               "; this key holds more than its share of the queue" if over else ""))
 
+    def running(self) -> int:
+        """How many the prefills run at a time for us, at their limits (a cold start's drain rate: ``Rates.little``)."""
+        now = self.clock()
+        return sum(w.limit(now) or 0 for w in self.routing.pool.prefill if w.available(now))
+
     def too_late(self, e: Entry) -> Shed | None:
         """A queued request whose turn comes too late: less of its TTFT budget left than a dispatched request now
         takes to its first token (``Rates.ttft``). Sent on, the engine would spend its prefill on an answer nobody
         gets in time, and the requests behind it would wait for that too."""
-        now, ttft = self.clock(), self.rates.ttft
+        now, ttft = self.clock(), self.rates.expected_ttft()
         if not self.cfg.shed or ttft is None or now + ttft <= e.deadline:
             return None
         self.metrics.shed("deadline_unmeetable", e.tenant)

@@ -146,7 +146,7 @@ class AdmissionConfig:
     window_s: float = 10.0  # a drain-rate estimate not renewed within this (nobody waited) is not used
     engine_backoff_s: float = 5.0  # after an engine's 429/503, it gets no more requests than it holds, this long
     learn: bool = True  # learn each worker's limit from what it serves in time (pdgate.limits); capacity set wins
-    learn_initial: int = 16  # the learned limit before anything was answered (slow start: +1 an answer showing no queueing)
+    learn_initial: int = 4  # the learned limit before anything was answered (slow start: +1 an answer showing no queueing)
     learn_cap: int = 0  # the most a learned limit reaches (0: the engine's max_running_requests only)
     learn_tolerance: float = 2.0  # latency above this many times the worker's no-load latency: it queues
     learn_window_s: float = 10.0  # the no-load latency is the least seen within this window

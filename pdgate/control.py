@@ -93,12 +93,17 @@ class Control:
 
     async def watch_lag(self, every_s: float = LAG_TICK_S) -> None:
         """How late the loop runs a timer, every ``every_s``: what the learned limits take for the gateway's and the
-        host's load (``pdgate.limits.Lag``), never for the engine's."""
-        lag, clock = self.gw.pool.lag, time.monotonic
+        host's load (``pdgate.limits.Lag``), never for the engine's. And while requests wait, the full workers'
+        limits are told so: they bind though no new request came (all queued at once, none answered: without it a
+        limit never grew past its first value, and 30 streams on two prefills that answer late never all started)."""
+        gw, clock = self.gw, time.monotonic
         while True:
             due = clock() + every_s
             await asyncio.sleep(every_s)
-            lag.note(clock() - due, self.gw.clock())  # stamped on the gateway's clock, as the limits read it
+            now = gw.clock()  # the gateway's clock, as the limits read it
+            gw.pool.lag.note(clock() - due, now)
+            if gw.gate.queue.n:
+                gw.gate.held_back(now)
 
     def owned(self) -> dict[str, tuple[str, ...]]:
         """The rids this process owns on the engines now: its live attempts' (on both legs' workers) and those that

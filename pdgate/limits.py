@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True, slots=True)
 class LimitRules:
-    initial: int = 16  # the limit before anything was answered
+    initial: int = 4  # the limit before anything was answered (TCP's initial window, in spirit)
     floor: int = 1  # it never goes below
     cap: int | None = None  # the operator's cap (None: the engine's reported maximum only)
     tolerance: float = 2.0  # latency above this many times the baseline is queueing in the engine

@@ -174,6 +174,7 @@ class Rates:
         self.last: float | None = None  # the last slot freed while requests waited
         self.busy_since: float | None = None  # since when requests wait (None: nobody waits)
         self.ttft: float | None = None
+        self.last_ttft: float | None = None  # the latest sample (a cold start's queue grows faster than the EWMA)
 
     def waiting(self, now: float, anyone: bool) -> None:
         """Whether requests wait, told as the queue fills and empties."""
@@ -200,10 +201,25 @@ class Rates:
 
     def first_token(self, seconds: float) -> None:
         self.ttft = seconds if self.ttft is None else self.ttft + 0.2 * (seconds - self.ttft)
+        self.last_ttft = seconds
 
-    def wait_s(self, ahead: int, now: float) -> float | None:
-        """Expected seconds from now to a first token for a request with ``ahead`` before it (None: unknown)."""
-        rate = self.drain_rate(now)
+    def wait_s(self, ahead: int, now: float, rate: float | None = None) -> float | None:
+        """Expected seconds from now to a first token for a request with ``ahead`` before it (None: unknown);
+        ``rate``: the drain rate to use where it is not measured yet."""
+        rate = self.drain_rate(now) or rate
         if rate is None:
             return None
         return (ahead + 1) / rate + (self.ttft or 0.0)
+
+    def expected_ttft(self) -> float | None:
+        """What a request dispatched now takes to its first token: the average, or the latest answer where that is
+        longer (an engine's queue growing answer by answer, as at a cold start: the average lags it and a request
+        sent on it missed its budget)."""
+        return None if self.ttft is None else max(self.ttft, self.last_ttft or 0.0)
+
+    def little(self, running: int) -> float | None:
+        """A cold start's drain rate, before one is measured: ``running`` requests at a time (the prefills' limits,
+        all held: requests wait), each as long as the latest answer or the average, the longer (Little's law: at a
+        cold start the engine's queue grows answer by answer, and the average lags it). None: nothing answered yet."""
+        ttft = self.expected_ttft()
+        return running / ttft if ttft and running > 0 else None

@@ -119,6 +119,21 @@ def test_the_wait_estimate_follows_fair_queuings_order() -> None:
     assert q.pop().tenant == "new"  # type: ignore[union-attr]
 
 
+def test_a_cold_start_has_an_estimate_from_its_first_answers() -> None:
+    """Before a drain rate is measured (5 slots freed while requests wait): the prefills' limits over the time to a
+    first token (Little's law), taken as the latest answer's where that is longer than the average (at a cold start
+    the engine's queue grows answer by answer). Before it, nothing was shed until the rate was measured, and those
+    queued meanwhile were answered late or sent to miss their budget (a 10 s cold start at 3x: shed answers up to
+    0.9 s after queueing, some 504s; BENCHMARKS.md run W)."""
+    r = Rates(window_s=10)
+    assert r.little(4) is None and r.expected_ttft() is None, "nothing answered yet: no estimate"
+    for s in (0.2, 0.4, 0.6, 0.8):  # four sent at once to an engine serving one at a time in 0.2 s
+        r.first_token(s)
+    assert r.expected_ttft() == pytest.approx(0.8) and r.little(4) == pytest.approx(5.0)
+    assert r.drain_rate(1.0) is None
+    assert r.wait_s(9, 1.0, r.little(4)) == pytest.approx(10 / 5.0 + r.ttft)  # past a 1.5 s budget: shed at once
+
+
 def test_estimates_and_shares() -> None:
     r = Rates(window_s=10)
     assert r.wait_s(3, 0.0) is None, "nothing measured yet: no estimate, no shedding"
@@ -435,6 +450,9 @@ async def test_a_queued_request_whose_turn_comes_too_late_is_answered_not_sent(
     sent, ends 504 at its budget, and the prefill's work for it is wasted."""
     from pdgate.admission import Gate
 
+    # the early shed's cold-start estimate (``Rates.little``, from the one slot over the TTFT) would answer it at
+    # once, before its turn: off here, so the check at its turn is what answers it
+    monkeypatch.setattr(Rates, "little", lambda self, running: None)
     if not check:
         monkeypatch.setattr(Gate, "too_late", lambda self, e: None)
     p, d = sims(procs)

@@ -93,7 +93,7 @@ async def test_without_it_the_engine_reported_figure_lets_goodput_collapse(procs
 async def test_gateway_processes_on_one_store_hold_the_least_limit_any_of_them_learned(procs: Procs,
                                                                                        gateways: list[Any]) -> None:
     """Two gateways on one Redis: what one learned of a prefill (here 3) is what the other admits there, though it
-    measured nothing itself (its own figure is still the initial 16); judged by what the engine holds at once."""
+    measured nothing itself (its own figure is still the initial 4); judged by what the engine holds at once."""
     from pdgate.config import StoreConfig
     from tests.engine.simclient import engine_requests
 
@@ -116,7 +116,7 @@ async def test_gateway_processes_on_one_store_hold_the_least_limit_any_of_them_l
             if view["capacity"] == 2:
                 break
             await asyncio.sleep(0.1)
-        assert view["capacity"] == 2 and view["learned"]["peers"] == 2 and view["learned"]["limit"] == 16, view
+        assert view["capacity"] == 2 and view["learned"]["peers"] == 2 and view["learned"]["limit"] == 4, view
         body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
         async def one() -> int:
