@@ -3,7 +3,7 @@
 ``--compare`` starts one prefill + one decode sim worker (``--speed 0``: free compute; or, with
 ``--workers fake``, zero-cost fake workers that answer at once) once,
 then measures, in one run and on the same workers: direct (the load generator plays the
-router and sends both legs itself), pdgate, sglang-router PD and, with ``--mini-lb``,
+router and sends both legs itself), pdgate, sglang-router PD, SMG 1.13 PD and, with ``--mini-lb``,
 sglang's Python mini load balancer. Workloads: closed loops at 16 and 64 connections (the most
 each target serves) and open loops at 200 requests/s (Poisson arrivals, far below every
 target's capacity: the latency a gateway adds over direct, without queueing for the CPU).
@@ -22,7 +22,7 @@ Workloads ns4, s4 (4 connections: the engines run 8 at most) and ns2rps (2 reque
 threads keep both cores busy (docs/fidelity.md): every run on it is on a busy machine, and says so.
 
 ``--streams-workload`` (loadtest/streams.py): N long-lived SSE streams at ``--tokens-per-s`` each (default
-10) through direct, pdgate and sglang-router on paced fake engines, for each N of ``--streams``
+10) through direct, pdgate, sglang-router and SMG on paced fake engines, for each N of ``--streams``
 (default 250 500 1000 2000): the relay delay each target adds over direct (p50/p99/p99.9), CPU per
 relayed event, KB per live stream, errors, and the events/s at which the p99 added passes 10 ms.
 ``--overload`` (loadtest/overload.py): goodput under overload.
@@ -356,7 +356,7 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("bench", help="throughput/latency of gateways; --compare runs direct, pdgate and sglang-router "
+    p = sub.add_parser("bench", help="throughput/latency of gateways; --compare runs direct, pdgate, sglang-router and SMG "
                        "side by side; --streams-workload: many long-lived paced streams through each",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", action="append", default=[], metavar="URL", help="an OpenAI-compatible gateway (repeatable)")
@@ -364,7 +364,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rate", type=float, default=0, help="open loop: requests/s (Poisson arrivals)")
     p.add_argument("--stream", action="store_true")
     p.add_argument("--compare", action="store_true",
-                   help="start sim workers and measure direct, pdgate, sglang-router (and --mini-lb) on them")
+                   help="start sim workers and measure direct, pdgate, sglang-router, SMG (and --mini-lb) on them")
     p.add_argument("--mini-lb", action="store_true", help="also measure sglang's Python mini_lb")
     p.add_argument("--workers", choices=("sim", "fake", "vllm"), default="sim",
                    help="--compare on engine.sim workers at speed 0 (default), on zero-cost fake workers "

@@ -4,7 +4,7 @@ Starts one fake prefill and ``--decodes`` paced fake decodes (``loadtest.fakewor
 every event is stamped with its emission time) once, then, for each N of ``--streams`` and each target in
 turn, on the same engines: direct (the load generator streams straight from the decodes, round robin;
 the fake decode needs no prefill leg), pdgate (and ``pdgate-wK`` for each ``--pdgate-workers K`` > 1,
-``pdgate serve --workers K``) and sglang-router PD. Each gateway is started afresh for each N (its idle
+``pdgate serve --workers K``), sglang-router PD and SMG 1.13 PD. Each gateway is started afresh for each N (its idle
 memory is then its own) and stopped after it.
 
 Per (target, N): the N streams start evenly over ``--ramp-s`` (default max(1, N/500) s: 500 new streams a
@@ -403,7 +403,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
     if a.out == "runs/bench.json":
         a.out = "runs/streams.json"
     names = target_names(a)
-    if any(n == "sglang-router" for n in names):
+    if any(n in PEERS for n in names):
         require_router()
     raise_nofile()  # the children inherit it
     console = Console()
