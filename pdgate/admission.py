@@ -30,7 +30,7 @@ from pdgate.queueing import RANKS, Entry, FairQueue, Rates
 from pdgate.record import Phase, Record
 from pdgate.rid import Ids
 from pdgate.routing import Pair, Routing
-from pdgate.workers import Worker, moved
+from pdgate.workers import State, Worker, moved
 
 if TYPE_CHECKING:
     from pdgate.context import Ctx
@@ -128,6 +128,7 @@ def priority(request: Request, tenant: Tenant | None) -> str:
 # the queue's drain rate moves with the limits it drains through: a request admitted on an estimate this much short
 # of its budget would more often be answered late (after waiting, ``Gate.too_late``) than served
 SHED_MARGIN = 1.2
+RUNNING = frozenset({State.UP, State.DEGRADED})  # prefills that run their limit's worth (a half-open one: a probe)
 
 def first_due(rec: Record) -> float:
     """When its first token is due at the latest (its TTFT budget, or its total one if that ends first)."""
@@ -285,8 +286,8 @@ class Gate:
 
     def running(self) -> int:
         """How many the prefills run at a time for us, at their limits (a cold start's drain rate: ``Rates.little``)."""
-        now = self.clock()
-        return sum(w.limit(now) or 0 for w in self.routing.pool.prefill if w.available(now))
+        now = self.clock()  # not ``available``: that moves a cooled-down breaker to half-open, the routing's step
+        return sum(w.limit(now) or 0 for w in self.routing.pool.prefill if w.state in RUNNING)
 
     def too_late(self, e: Entry) -> Shed | None:
         """A queued request whose turn comes too late: less of its TTFT budget left than a dispatched request now

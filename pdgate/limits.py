@@ -18,13 +18,19 @@ Vegas and Netflix's gradient limiters:
   least TTFT budget (the gateway's queue needs the rest of it to hold and shed);
 - **the host's share**: the gateway's own event loop is watched (``Lag``: how late a timer fires, the gateway's
   and the host's CPU contention in one figure); latency above the target by no more than ``lag_factor`` times the
-  loop's recent lag is the gateway's or the host's, not the engine's, and cuts nothing (``held`` says so);
-- **every ``update_s``**: latency above the target (beyond the loop's lag), or the engine's queue above
-  ``queue_allowance``, cuts the limit at once by the gradient (target / latency, at least halved, at most by 10%); with neither and the
-  limit binding (a request waited for this worker, or the worker held as many as it allowed) and new samples
-  (or none ever: a worker whose requests have not ended yet), it grows:
-  doubling until the first cut (slow start), then by a tenth (at least one); otherwise it holds. Always within
-  [``floor``, the engine's reported maximum or the operator's cap].
+  loop's recent lag (or ``slack_s``, the larger: a sub-millisecond baseline is noise) is not the engine's and cuts
+  nothing (``held`` says so where it was the lag);
+- **every ``update_s``**: latency above the target beyond that allowance, or the engine's queue above
+  ``queue_allowance``, cuts the limit at once by the gradient (target / latency, at least halved, at most by
+  10%); with neither, new samples and the limit binding (a request waited for this worker since the last
+  update), it grows by a tenth (at least ``probe_step``); otherwise it holds;
+- **slow start**, from ``initial`` until the first cut: every answer that shows no queueing (within
+  ``start_tolerance`` of the baseline, plus the allowance) while the limit binds adds one at once, TCP's slow
+  start (a doubling a round trip): a fast engine is not held back for long, and a serialised one is not sent
+  more than its answers vouch for (doubling blind, 16 became 32 at the first queued request, and a prefill
+  serving 5 a second missed 1.5 s TTFT budgets). Before the first answer it doubles only once requests have
+  waited ``2 * update_s`` with none (an engine that answers late).
+Always within [``floor``, the engine's reported maximum or the operator's cap].
 """
 
 from __future__ import annotations

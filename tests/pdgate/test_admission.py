@@ -474,3 +474,27 @@ async def test_a_queued_request_whose_turn_comes_too_late_is_answered_not_sent(
         assert computed == 1, "only the blocker was computed"
     else:  # sent on: it reached the engine and ended at its budget, not before
         assert status == 504 and "phase prefill" in body["error"]["message"] and took >= budget - 0.02, (status, took)
+
+
+@pytest.mark.parametrize("serving", [True, False])
+def test_the_cold_start_estimate_counts_serving_prefills_and_moves_no_breaker(serving: bool) -> None:
+    """``Gate.running`` (what ``Rates.little`` divides): the limits of the prefills serving now. A prefill whose
+    breaker is open and has cooled down is not counted and stays as it was: an estimate must not move it to half-open
+    (``Worker.available`` does, the routing's own step), nor count it as running a full limit."""
+    from types import SimpleNamespace
+
+    from pdgate.gateway import Gateway
+    from pdgate.workers import Breaker, State
+
+    p = SimpleNamespace(url="http://127.0.0.1:1", bootstrap_port=2)
+    d = SimpleNamespace(url="http://127.0.0.1:3", bootstrap_port=None)
+    gw = Gateway(make_config([p, SimpleNamespace(url="http://127.0.0.1:4", bootstrap_port=5)], [d]),  # type: ignore[list-item]
+                 clock=lambda: 100.0)
+    p0, p1 = gw.pool.prefill
+    p0.state = State.UP
+    if serving:
+        p1.state = State.UP
+    else:
+        p1.state, p1.breaker.state, p1.breaker.opened_at = State.BREAKER_OPEN, Breaker.OPEN, 0.0  # cooled down long ago
+    assert gw.gate.running() == (8 if serving else 4)  # the initial limit, 4, on each prefill serving
+    assert p1.state is (State.UP if serving else State.BREAKER_OPEN) and (serving or p1.breaker.state is Breaker.OPEN)

@@ -222,3 +222,24 @@ def test_latency_the_gateways_loop_lag_explains_cuts_nothing(watched: bool) -> N
         assert lim.value(1024) < held and "engine latency" in lim.history[-1][2]
     else:
         assert lim.value(1024) == 1, lim.view(1024)
+
+
+def test_workers_wide_says_which_signal_moved_a_limit_and_the_loops_lag() -> None:
+    """``pdgate workers --wide``'s cell for a learned limit, from the limiter's own view: the loop's lag, the last
+    moves, the signal of the last one, and a hold the lag explained."""
+    from pdgate.views import learned_line
+
+    lag = Lag()
+    lim = Limiter(RULES, lag)
+    t = drive(lim, 0.0, 0.001, steps=2)
+    for _ in range(3):
+        lag.note(0.010, t)
+        t = drive(lim, t, 0.020)
+    cell = learned_line(lim.view(1024))
+    assert "lag=10.0" in cell and "(last: grew: engine keeps up)" in cell and "held: the loop's lag" in cell, cell
+    drive(lim, t, 0.5)
+    assert "(last: engine latency)" in learned_line(lim.view(1024))
+    late = Limiter(dataclasses.replace(RULES, initial=4))
+    late.held_back(0.0, 1024)
+    late.held_back(1.1, 1024)
+    assert "(last: grew: no answer yet)" in learned_line(late.view(1024))
