@@ -3,6 +3,8 @@
 One task per worker, owned by the app. Each check asks the worker's engine adapter (``Engine.probe``: health,
 identity, served model, fixes, capacity, queue counts) and moves the worker's state from the ``Probe`` it
 answers:
+- A check fails when the engine does not say it is up (``/health``) and serving (its models); what only informs
+  (identity, queue counts) may go unanswered without failing it (``Probe.partial``).
 - ``failures`` consecutive failed checks -> down: its live requests are failed or retried at once (not left
   to their deadlines).
 - A new identity, or up again after down -> restarted: the same, and counted.
@@ -44,8 +46,9 @@ class Health:
         c = w.checks
         if p.ok:
             c.uncounted = 0
-            # what the engine's count may include of ours: any request live while the check was out
-            w.probe_load, w.probe_seq = max(before, w.load), w.probe_seq + 1
+            if p.partial is None:  # a new engine count (reconciliation by counts judges each once), and what the
+                # engine's count may include of ours: any request live while the check was out
+                w.probe_load, w.probe_seq = max(before, w.load), w.probe_seq + 1
             self.on_up(w, p)
         else:
             inconclusive = late_not_lost(w, started, p)
@@ -69,10 +72,14 @@ class Health:
             w.identity = p.identity
         self.pool.set_info(w, p)
         w.slots.engine = p.capacity
-        w.slots.foreign = max(0, p.running - len(w.bound) - w.slots.others) if p.running is not None else 0
-        w.checks.failures, w.checks.last_error = 0, None
+        if p.running is not None:
+            w.slots.foreign = max(0, p.running - len(w.bound) - w.slots.others)
+        elif p.partial is None:  # an engine that does not count; one whose count went unanswered keeps the last
+            w.slots.foreign = 0
+        w.checks.failures = 0
+        w.checks.last_error = None if p.partial is None else f"{p.partial} (up: its counts read unknown)"
         now = self.clock()
-        if w.slots.learned is not None:
+        if w.slots.learned is not None and p.partial is None:
             moved(w, w.slots.learned.queue(p.waiting, now, w.engine_max))
         self.probed(w)
         if restarted:

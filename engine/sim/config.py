@@ -58,6 +58,9 @@ FAULTS: dict[str, Any] = {
     "slow_kv_read": _seconds,  # --protocol vllm, decode: each KV read takes up to this long, uniformly (real NIXL on a busy CPU: 0.03-11.7 s)
     "kv_wait_forever": _flag,  # --protocol vllm, decode: its KV never comes (WAITING_FOR_REMOTE_KVS, no timeout)
     "ignore_disconnect": _flag,  # --protocol vllm: a client that leaves does not abort its request
+    # the probes' informational answer this long late (--protocol vllm: /metrics; SGLang: /v1/loads) while /health
+    # answers at once: real vLLM's /metrics took 8 and 22 s on a loaded 2-core box, its /health 1-3 s
+    "slow_metrics": _seconds,
 }
 
 

@@ -449,6 +449,8 @@ def build_router(engine: Engine) -> Router:
         return text()
 
     async def loads(request: Request) -> Response:
+        if cfg.faults.slow_metrics:
+            await asyncio.sleep(cfg.faults.slow_metrics)
         c = engine.queue_counts()
         load: dict[str, Any] = {"dp_rank": 0, "num_running_reqs": c.get("running", 0) + c.get("forward", 0),
                                 "num_waiting_reqs": c.get("waiting", 0) + c.get("prealloc", 0) + c.get("transfer", 0)}

@@ -24,7 +24,8 @@
   5 s (uvicorn's default, ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``); faults ``kv_wait_forever`` (a decode whose KV never
   comes), ``ignore_disconnect`` (an engine that does not notice its client left: only an abort by id, where it
   has one, ends the work; what reconciliation by counts is for), ``decode_stall`` (its tokens stop), ``slow_kv_read`` (each KV read takes
-  up to that long, uniformly at random: real NIXL on a busy CPU, docs/fidelity.md),
+  up to that long, uniformly at random: real NIXL on a busy CPU, docs/fidelity.md), ``slow_metrics`` (``/metrics``
+  that long late, ``/health`` at once: real vLLM's on a loaded box),
   ``http_500_rate``, ``slow_prefill``.
 """
 
@@ -272,6 +273,8 @@ def build_server(sim: VllmSim) -> Server:
                                                    "root": sim.cfg.model, "max_model_len": sim.cfg.max_context}]})
 
     async def metrics(_: Request) -> Response:
+        if sim.cfg.faults.slow_metrics:
+            await asyncio.sleep(sim.cfg.faults.slow_metrics)
         return Response(sim.metrics().encode(), content_type="text/plain; version=0.0.4")
 
     async def requests(_: Request) -> Response:

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
+from pdgate.upstream import LoopLate
+
 if TYPE_CHECKING:
     from pdgate.config import WorkerSpec
     from pdgate.record import Attempt
@@ -31,6 +33,7 @@ class Probe:
     waiting: int | None = None  # requests queued for its compute in this role, not yet running (a learned limit's input)
     queues: dict[str, Any] = field(default_factory=dict)  # its queue counts, as it names them (shown)
     lists_rids: bool = False  # it answers ``held`` (exact reconciliation); else counts only
+    partial: str | None = None  # up, but what informs (identity, counts) went unanswered: why (they read unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +50,19 @@ class Usage:
     prompt: int | None = None
     completion: int | None = None
     cached: int | None = None
+
+
+def unanswered(exc: OSError, path: str, timeout_s: float) -> str:
+    """What a probe's GET of ``path`` met, in a line (a timeout's own message is empty: say what it was)."""
+    detail = str(exc) or (f"no answer within {timeout_s:g}s" if isinstance(exc, TimeoutError) else "no detail")
+    return f"{exc.__class__.__name__}: {path}: {detail}"
+
+
+def failed_probe(exc: OSError, path: str, timeout_s: float) -> Probe:
+    """A check whose liveness GET failed: timed out (``loop_late``: noticed late, this gateway's loop ran behind),
+    refused, reset."""
+    return Probe(False, unanswered(exc, path, timeout_s), timed_out=isinstance(exc, TimeoutError),
+                 loop_late=isinstance(exc, LoopLate))
 
 
 def openai_usage(u: Any) -> Usage:

@@ -28,8 +28,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from pdgate import protocol as wire
-from pdgate.engines.base import Held, Probe, Usage, _count, openai_usage, token_count, tokenize_body
-from pdgate.upstream import LoopLate
+from pdgate.engines.base import Held, Probe, Usage, _count, failed_probe, openai_usage, token_count, tokenize_body, unanswered
 
 if TYPE_CHECKING:
     from pdgate.config import WorkerSpec
@@ -109,24 +108,32 @@ class SGLang:
 
     # ---- probes ------------------------------------------------------------------------
     async def probe(self, url: str, role: str, timeout_s: float) -> Probe:
+        """Up is ``/health`` 200 and ``/server_info`` answered. ``/v1/loads`` only informs (the queue counts): unanswered
+        in time, the worker stays up with them unknown (``Probe.partial``), as vLLM's ``/metrics``."""
+        path = wire.HEALTH_PATH
         try:
-            status, _ = await self.up.get(url + wire.HEALTH_PATH, timeout_s)
+            status, _ = await self.up.get(url + path, timeout_s)
             if status != 200:
                 return Probe(False, f"/health answered {status}")
-            status, info = await self.up.get_json(url + wire.SERVER_INFO_PATH, timeout_s)
+            path = wire.SERVER_INFO_PATH
+            status, info = await self.up.get_json(url + path, timeout_s)
             if status in (401, 403):  # /health is open on SGLang with --api-key; the rest is not
                 return Probe(False, f"/server_info answered {status}: the engine refuses the gateway's credentials "
                              "(worker_api_key must be its --api-key)")
-            info = info if isinstance(info, dict) else {}
-            if wire.IDENTITY_FIELD not in info and url not in self.no_info:
-                info = {**info, **await self._ext_info(url, timeout_s)}
+        except OSError as exc:
+            return failed_probe(exc, path, timeout_s)
+        info = info if isinstance(info, dict) else {}
+        if wire.IDENTITY_FIELD not in info and url not in self.no_info:
+            info = {**info, **await self._ext_info(url, timeout_s)}
+        loads: Any = None
+        partial = None
+        try:
             _, loads = await self.up.get_json(url + wire.LOADS_PATH + "?include=disagg", timeout_s)
-        except OSError as exc:  # a timeout's message is empty: say what it was
-            timed_out = isinstance(exc, TimeoutError)
-            detail = str(exc) or (f"no answer within {timeout_s:g}s" if timed_out else "no detail")
-            return Probe(False, f"{exc.__class__.__name__}: {detail}", timed_out=timed_out,
-                         loop_late=isinstance(exc, LoopLate))
-        return self._probed(info, _queues(loads), role)
+        except OSError as exc:
+            partial = unanswered(exc, wire.LOADS_PATH, timeout_s)
+        p = self._probed(info, _queues(loads), role)
+        p.partial = partial
+        return p
 
     def _probed(self, info: dict[str, Any], queues: dict[str, Any], role: str) -> Probe:
         served = info.get("served_model_name") or info.get("model_path")

@@ -101,7 +101,7 @@ async def test_a_worker_that_never_answers_is_down_with_a_reason(gateways: list[
             if w.checks.last_error:
                 break
             await asyncio.sleep(0.1)
-        assert w.checks.last_error == "TimeoutError: no answer within 0.3s", w.checks.last_error
+        assert w.checks.last_error == "TimeoutError: /health: no answer within 0.3s", w.checks.last_error
         assert w.state.value == "down"
     finally:
         silent.close()

@@ -19,7 +19,7 @@ import aiohttp
 import openai
 import pytest
 
-from pdgate.config import GatewayConfig, HealthConfig, ReconcileConfig, WorkerSpec, validate
+from pdgate.config import DeadlineConfig, GatewayConfig, HealthConfig, ReconcileConfig, WorkerSpec, validate
 from tests.pdgate.harness import Running, start_gateway
 from tests.procs import Procs, free_port
 from tests.real.conftest import Pair
@@ -64,7 +64,10 @@ async def healthy(g: Running, within: float = 30.0) -> None:
 
 
 def sdk(g: Running, **kw: Any) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=g.url + "/v1", api_key="none", max_retries=0, timeout=60, **kw)
+    """The client waits past the gateway's TTFT budget: a stalled pair ends at the gateway's answer (a 504 naming
+    the budget), never at the client's own timeout."""
+    return openai.AsyncOpenAI(base_url=g.url + "/v1", api_key="none", max_retries=0,
+                              timeout=DeadlineConfig().ttft_s + SLACK_S, **kw)
 
 
 async def clean(pair: Pair, within: float = CLEAN_S) -> float:
