@@ -232,3 +232,8 @@ def detail_of(body: bytes) -> str:
         else:
             obj = obj.get("message", err if err is not None else obj)
     return one_line(obj if isinstance(obj, str) else orjson.dumps(obj).decode())
+
+
+class LoopLate(TimeoutError):
+    """A timeout that says more about this process than about the engine: it was noticed well after it was due
+    (raised by ``pdgate.upstream``; here so that what judges a probe imports no I/O)."""

@@ -12,16 +12,13 @@ from typing import Any
 import orjson
 
 from h1lite.client import BodyTooLarge, Client, ClientResponse, ConnectFailed, header_lines
+from pdgate.errors import LoopLate as LoopLate
 from pdgate.errors import UpstreamConnectError, UpstreamError
 
 SMALL_BODY = 1 << 20  # health, server info, loads, probes, aborts: answers are small; more is refused
 
 
 LATE_S = 0.1  # a timeout handled this much (or a quarter of it) after it was due: the loop was behind
-
-
-class LoopLate(TimeoutError):
-    """A timeout that says more about this process than about the engine: it was noticed well after it was due."""
 
 
 def split_url(url: str) -> tuple[str, str]:

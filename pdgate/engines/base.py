@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from pdgate.upstream import LoopLate
+from pdgate.errors import LoopLate
 
 if TYPE_CHECKING:
     from pdgate.config import WorkerSpec

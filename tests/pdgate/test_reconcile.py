@@ -228,7 +228,10 @@ def serve_gateway(procs: Procs, cfg: Path, name: str, workers: int = 1) -> tuple
 async def streams_then_kill(http: aiohttp.ClientSession, url: str, proc: Any, n: int, sims: list[Any]) -> int:
     """``n`` streams through the gateway at ``url``; once every one is decoding, the gateway is SIGKILLed. What the
     engines still hold 1.5 s later (after their own disconnect aborts, the prefills' lost) is returned."""
-    body = {**CHAT, "stream": True, "max_tokens": 60}  # ~4 s at --speed 15
+    # ~13 s at --speed 15, killed once all are decoding: the first must still be decoding when the last gets there.
+    # With 4 s streams the 30 reached the decodes 3.9-4 s after they were sent (the prefills' learned limits start
+    # at 4 and double while none answers, the prefill sims serialise), a hair before the first ended: 1 in 9 failed
+    body = {**CHAT, "stream": True, "max_tokens": 200}
 
     async def one() -> None:
         with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
