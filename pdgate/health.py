@@ -46,9 +46,10 @@ class Health:
         c = w.checks
         if p.ok:
             c.uncounted = 0
-            if p.partial is None:  # a new engine count (reconciliation by counts judges each once), and what the
-                # engine's count may include of ours: any request live while the check was out
-                w.probe_load, w.probe_seq = max(before, w.load), w.probe_seq + 1
+            if p.partial is None:  # a new engine count (reconciliation by counts judges each once, from here: a
+                # later check that could not read one leaves it), and what it may include of ours: any request
+                # live while the check was out
+                w.probe_load, w.probe_seq, w.probe_held = max(before, w.load), w.probe_seq + 1, p.held
             self.on_up(w, p)
         else:
             inconclusive = late_not_lost(w, started, p)
@@ -68,18 +69,15 @@ class Health:
             restarted = "new identity"
         elif w.checks.checked and w.state is State.DOWN and p.identity is None:
             restarted = "health down->up"
-        if p.identity is not None:
+        if restarted or p.identity is not None:  # a restart found without one: the next identity read is its own
             w.identity = p.identity
         self.pool.set_info(w, p)
         w.slots.engine = p.capacity
-        if p.running is not None:
-            w.slots.foreign = max(0, p.running - len(w.bound) - w.slots.others)
-        elif p.partial is None:  # an engine that does not count; one whose count went unanswered keeps the last
-            w.slots.foreign = 0
+        w.slots.foreign = max(0, p.running - len(w.bound) - w.slots.others) if p.running is not None else 0
         w.checks.failures = 0
         w.checks.last_error = None if p.partial is None else f"{p.partial} (up: its counts read unknown)"
         now = self.clock()
-        if w.slots.learned is not None and p.partial is None:
+        if w.slots.learned is not None:
             moved(w, w.slots.learned.queue(p.waiting, now, w.engine_max))
         self.probed(w)
         if restarted:

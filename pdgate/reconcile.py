@@ -120,7 +120,7 @@ class Reconciler:
         ``REPEATS`` passes."""
         for (wid, rid), left in list(self.again.items()):
             w = self.pool.by_id.get(wid)
-            if w is None or w.info.lists_rids or left <= 0 or (w.info.held is not None and w.info.held <= w.probe_load):
+            if w is None or w.info.lists_rids or left <= 0 or (w.probe_held is not None and w.probe_held <= w.probe_load):
                 del self.again[(wid, rid)]
                 continue
             self.again[(wid, rid)] = left - 1
@@ -155,7 +155,7 @@ class Reconciler:
         if self.drift_seq.get(w.id) == w.probe_seq:
             return  # no new engine count since the last pass: one reading is judged once
         self.drift_seq[w.id] = w.probe_seq
-        held = w.info.held or 0
+        held = w.probe_held or 0
         excess = held - w.probe_load  # against what we held while that count was taken, not a later moment's
         w.drift = max(0, excess)
         self.metrics.drift.labels(w.id).set(w.drift)

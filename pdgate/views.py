@@ -106,7 +106,7 @@ def workers_table(data: dict[str, Any], wide: bool = False, width: int | None = 
         src = "set" if w.get("configured") else learned_line(learned) if learned else "engine"
         role = w["role"] if w.get("kind") in (None, "sglang") else f"{w['role']}/{w['kind']}"  # another engine: said
         row: list[Any] = [_s(w["id"]), _s(role), _s(w["url"]), Text(state, style=style), str(w["load"]),
-                          str(w["restarts"]), _s(queues or "idle")]
+                          str(w["restarts"]), _s(queues or ("unknown" if w.get("counts_unknown") else "idle"))]
         if wide:
             row += ["-" if cap is None else str(cap), _s(w.get("kind") or "-"), _s(src), _s(w.get("identity") or "-"),
                     _s(",".join(str(f) for f in w.get("fixes") or []) or "-"),

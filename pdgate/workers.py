@@ -166,8 +166,9 @@ class Worker:
     slots: Slots = field(default_factory=Slots)
     orphans: int = 0  # engine-held rids found orphaned in the last reconcile pass (exact mode)
     drift: int = 0  # engine count above our live count (count mode)
-    probe_seq: int = 0  # passed health checks so far (count mode judges each engine count once)
-    probe_load: int = 0  # the most live requests we held on it while the last passed check was out
+    probe_seq: int = 0  # passed health checks that read its counts so far (count mode judges each count once)
+    probe_load: int = 0  # the most live requests we held on it while the last of those was out
+    probe_held: int | None = None  # ... and what the engine said it held then (None: it says nothing)
     reaped: dict[str, int] = field(default_factory=dict)  # gone gateway instance -> its rids aborted here (bounded)
 
     @property
@@ -305,7 +306,8 @@ class Worker:
             "available": self.available(now), "degraded": self.degraded, "breaker": self.breaker.state.value,
             "identity": self.identity, "restarts": self.restarts, "load": self.load,
             "stalled_s": round(self.stalled_for(now), 3), "fixes": info.fixes, "models": list(info.models),
-            "last_error": self.checks.last_error, "queues": info.queues, "orphans": self.orphans, "drift": self.drift,
+            "last_error": self.checks.last_error, "queues": info.queues,
+            "counts_unknown": info.partial is not None, "orphans": self.orphans, "drift": self.drift,
             "reaped": dict(self.reaped),
             "capacity": self.limit(now), "engine_max": self.slots.engine, "configured": self.slots.configured,
             "learned": ({**self.slots.learned.view(self.engine_max), "peers": self.slots.peers}

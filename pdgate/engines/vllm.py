@@ -116,9 +116,10 @@ class VLLM:
     # ---- probes ------------------------------------------------------------------------
     async def probe(self, url: str, role: str, timeout_s: float) -> Probe:
         """Up is ``/health`` 200 and ``/v1/models`` answered. ``/version`` and ``/metrics`` only inform (identity,
-        counts): one unanswered in time leaves the worker up with them unknown (``Probe.partial``). Real vLLM's
-        ``/metrics`` took 8 and 22 s on a loaded 2-core box while its ``/health`` answered within 3 s; read as a
-        failed check, that took a serving decode down and failed its requests over (docs/fidelity.md)."""
+        counts): unanswered in time, the worker stays up with them unknown (``Probe.partial`` says why the counts
+        are). Real vLLM's ``/metrics`` took 8 and 22 s on a loaded 2-core box while its ``/health`` answered within
+        3 s; read as a failed check, that took a serving decode down and failed its requests over
+        (docs/fidelity.md)."""
         path = "/health"
         try:
             status, _ = await self.up.get(url + path, timeout_s)
@@ -134,13 +135,15 @@ class VLLM:
         version: Any = None
         metrics, partial = b"", None
         try:
-            path = "/version"
-            _, version = await self.up.get_json(url + path, timeout_s)
-            path = "/metrics"
-            status, metrics = await self.up.get(url + path, timeout_s)
+            _, version = await self.up.get_json(url + "/version", timeout_s)
+        except OSError:  # this check's identity unknown: a restart is still found by the next one that reads it
+            pass
+        try:
+            status, metrics = await self.up.get(url + "/metrics", timeout_s)
+            metrics = metrics if status == 200 else b""
         except OSError as exc:
-            partial, status = unanswered(exc, path, timeout_s), 0
-        p = self._probed(models, version, metrics if status == 200 else b"", role)
+            metrics, partial = b"", unanswered(exc, "/metrics", timeout_s)
+        p = self._probed(models, version, metrics, role)
         p.partial = partial
         return p
 

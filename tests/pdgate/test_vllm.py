@@ -226,6 +226,74 @@ async def test_reconciliation_by_counts_finds_drift_and_clears_it(procs: Procs, 
     assert seen_drift and await engine_requests(http, d) == [], "drift seen, then cleared by the re-sent abort"
 
 
+async def test_a_check_that_could_not_read_the_counts_hides_no_drift(procs: Procs, gateways: list[Any],
+                                                                    http: aiohttp.ClientSession) -> None:
+    """Reconciliation by counts judges each engine count once. A check whose ``/metrics`` went unanswered (the engine
+    up, its counts unknown: real vLLM's ``/metrics`` on a loaded box) neither stands for a count of 0 nor hides the
+    count before it. Twice, between two passes: a check that reads the count (the engine holds the request the
+    gateway ended), then one that cannot. The drift is seen both times and the abort sent again frees the engine.
+    Judged by the worker's count read then (``probe_held``): with the last check's (unknown, so 0) it is never seen.
+    Checks and passes are driven by hand (both loops at 60 s), so their order is the test's."""
+    from pdgate.reconcile import Reconciler
+
+    env = {"VLLM_SCALE_OUT": "1"}
+    p = procs.sim("prefill", *VLLM, env=env)
+    d = procs.sim("decode", *VLLM, "--speed", "20", "--fault", "ignore_disconnect=1", env=env)
+    cfg = vllm_config([p], [d], health=HealthConfig(interval_s=60, timeout_s=0.5, failures=2),
+                      reconcile=ReconcileConfig(interval_s=60, grace_s=0.2, drift_checks=2), abort_legs=False)
+    g = await up(gateways, cfg, http)
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400}
+    async with http.post(g.url + "/v1/chat/completions", json=body, headers={"x-pdgate-timeout": "0.5"}) as r:
+        assert r.status == 504
+    assert [x["queue"] for x in await engine_requests(http, d)] == ["running"], "the engine runs on"
+    gw = g.gw
+    dw = next(w for w in gw.pool.by_id.values() if w.url == d.url)
+    rec = Reconciler(gw.cfg, gw.instance, gw.pool, gw.traces, gw.metrics, gw.recent, gw.store, gw.clock)
+    drift = []
+    for _ in range(2):
+        await set_faults(http, d, slow_metrics=0)
+        await gw.health.check(dw)  # the engine's count: 1, where the gateway holds none
+        await set_faults(http, d, slow_metrics=1)
+        await gw.health.check(dw)  # its counts unanswered within 0.5 s
+        assert dw.healthy and dw.view(gw.now())["counts_unknown"], dw.view(gw.now())
+        await rec.count(dw)
+        drift.append(dw.drift)
+    assert drift == [1, 1], drift
+    for _ in range(20):
+        if not await engine_requests(http, d):
+            break
+        await asyncio.sleep(0.1)
+    assert await engine_requests(http, d) == [], "the abort sent again freed it"
+
+
+async def test_a_restart_found_by_a_check_that_could_not_read_the_identity_is_counted_once(
+        procs: Procs, gateways: list[Any], http: aiohttp.ClientSession) -> None:
+    """The decode stopped and started again; the first check that finds it up cannot read ``/metrics`` (its identity
+    and counts unknown): a restart ("health down->up"). The next check reads the new identity: the same restart,
+    not a second one, so a stream admitted in between is not failed over. With the old identity kept across that
+    restart, the new one read later looked like another restart and ended the stream. Checks driven by hand."""
+    p, d = procs.sim("prefill", *VLLM), procs.sim("decode", *VLLM, "--speed", "20")
+    g = await up(gateways, vllm_config([p], [d], health=HealthConfig(interval_s=60, timeout_s=0.5, failures=1)), http)
+    gw = g.gw
+    dw = next(w for w in gw.pool.by_id.values() if w.url == d.url)
+    first = dw.identity
+    assert first is not None
+    d.proc.stop()
+    await gw.health.check(dw)
+    assert dw.state.value == "down", dw.view(gw.now())
+    again = procs.sim("decode", *VLLM, "--speed", "20", "--fault", "slow_metrics=1", port=d.port)
+    await gw.health.check(dw)
+    assert dw.healthy and dw.restarts == 1 and dw.view(gw.now())["counts_unknown"], dw.view(gw.now())
+    body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40, "stream": True}
+    async with http.post(g.url + "/v1/chat/completions", json=body) as r:
+        await r.content.readline()  # decoding
+        await set_faults(http, again, slow_metrics=0)
+        await gw.health.check(dw)
+        text = (await r.read()).decode()
+    assert dw.identity not in (None, first) and dw.restarts == 1, dw.view(gw.now())
+    assert text.rstrip().endswith("data: [DONE]") and '"error"' not in text, text[-300:]
+
+
 async def test_one_gateway_fronts_sglang_and_vllm_pools_pairing_within_a_kind(
         procs: Procs, gateways: list[Any], http: aiohttp.ClientSession) -> None:
     sp, sd = procs.pair(*SPLIT)

@@ -314,15 +314,15 @@ async def test_an_engine_slow_to_give_its_counts_stays_up_and_serves(
     """What a check reads only to inform (identity, queue counts) does not decide whether an engine is up: real
     vLLM's ``/metrics`` took 8 and 22 s on a loaded 2-core box while its ``/health`` answered within 3 s, and read
     as a failed check that took a serving decode down in CI (its request failed over, then waited for a decode).
-    A decode whose ``/metrics`` (SGLang: ``/v1/loads``) answers 1.5 s late to checks that wait 0.5 s comes up,
-    serves every request and stays up, its row saying what went unanswered. With the mechanism off (``counted``:
+    A decode whose ``/metrics`` (SGLang: ``/v1/loads``) answers 3 s late to checks that wait 1 s comes up, serves
+    every request and stays up, its row saying what went unanswered. With the mechanism off (``counted``:
     an unanswered count fails the check, as before) the same decode is never up and the requests fail."""
     from pdgate.engines import base, sglang, vllm
     from tests.pdgate.test_vllm import vllm_config
 
     extra = ("--protocol", "vllm") if protocol == "vllm" else ()
-    p, d = procs.sim("prefill", *extra), procs.sim("decode", *extra, "--fault", "slow_metrics=1.5")
-    health = HealthConfig(interval_s=0.2, timeout_s=0.5, failures=2, degraded_after_s=30)
+    p, d = procs.sim("prefill", *extra), procs.sim("decode", *extra, "--fault", "slow_metrics=3")
+    health = HealthConfig(interval_s=0.2, timeout_s=1.0, failures=3, degraded_after_s=30)
     if counted:
         kind: Any = vllm.VLLM if protocol == "vllm" else sglang.SGLang
         real = kind.probe
@@ -339,15 +339,16 @@ async def test_an_engine_slow_to_give_its_counts_stays_up_and_serves(
         g = await gateway(gateways, [p], [d], health=health)
     wid = worker_id(g.gw, d)
     states: list[str] = []
-    end = time.monotonic() + 4.0
+    errors: set[str] = set()
+    end = time.monotonic() + 6.0
     while time.monotonic() < end and not (states and states[-1] == "up"):
         async with http.get(g.admin + "/v1/workers") as r:
             states += [w["state"] for w in (await r.json())["workers"] if w["id"] == wid]
         await asyncio.sleep(0.1)
     served: list[int] = []
-    end = time.monotonic() + 3.0  # a dozen checks, each met by a count 1 s too late
+    end = time.monotonic() + 4.0  # three checks or more, each met by a count 2 s too late
     while time.monotonic() < end:
-        async with http.post(g.url + "/v1/chat/completions", headers={"x-pdgate-ttft-timeout": "1"}, json={
+        async with http.post(g.url + "/v1/chat/completions", headers={"x-pdgate-ttft-timeout": "2"}, json={
                 "model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
                 "stream": True}) as r:
             body = await r.read()
@@ -355,10 +356,11 @@ async def test_an_engine_slow_to_give_its_counts_stays_up_and_serves(
         async with http.get(g.admin + "/v1/workers") as r:
             row = next(w for w in (await r.json())["workers"] if w["id"] == wid)
         states.append(row["state"])
+        errors.add(row["last_error"] or "")
     if counted:
         assert "up" not in states and not any(s == 200 for s in served), (states, served)
         return
     assert states[-1] == "up" and "down" not in states[states.index("up"):], states
     assert len(served) >= 5 and all(s == 200 for s in served), served
     path = "/metrics" if protocol == "vllm" else "/v1/loads"
-    assert f"TimeoutError: {path}: no answer within 0.5s (up: its counts read unknown)" == row["last_error"], row
+    assert f"TimeoutError: {path}: no answer within 1s (up: its counts read unknown)" in errors, errors
