@@ -148,3 +148,19 @@ def test_views_print_values_as_they_are_and_never_cut_one() -> None:
         assert "\x1b" not in text and "\x07" not in text, "no escape sequence reaches the terminal"
         if wide:
             assert "m[/x]" in text and "[/oops]" in text, text
+
+
+def test_workers_say_unknown_not_idle_when_a_check_could_not_read_the_counts() -> None:
+    """A worker up whose last check could not read its queue counts (``counts_unknown``) reads "unknown", not "idle"
+    (an engine slow to answer ``/metrics`` is not an idle one)."""
+    from rich.console import Console
+
+    from pdgate import views
+
+    row = {"id": "d0", "role": "decode", "url": "http://127.0.0.1:1", "degraded": False, "healthy": True,
+           "breaker": "closed", "load": 3, "restarts": 0, "queues": {}}
+    for unknown, word in ((True, "unknown"), (False, "idle")):
+        console = Console(width=120, record=True, color_system=None)
+        console.print(views.workers_table({"workers": [{**row, "counts_unknown": unknown}]}, False, 120))
+        text = console.export_text()
+        assert word in text and ("idle" not in text if unknown else "unknown" not in text), text
