@@ -454,11 +454,11 @@ def build_router(engine: Engine) -> Router:
         c = engine.queue_counts()
         load: dict[str, Any] = {"dp_rank": 0, "num_running_reqs": c.get("running", 0) + c.get("forward", 0),
                                 "num_waiting_reqs": c.get("waiting", 0) + c.get("prealloc", 0) + c.get("transfer", 0)}
-        if "disagg" in request.query.get("include", ""):
-            load["disagg"] = {"prefill_bootstrap_queue_reqs": c.get("bootstrap", 0),
-                              "prefill_inflight_queue_reqs": c.get("inflight", 0),
-                              "decode_prealloc_queue_reqs": c.get("prealloc", 0),
-                              "decode_transfer_queue_reqs": c.get("transfer", 0)}
+        if "disagg" in request.query.get("include", ""):  # answered as "disaggregation", as SGLang 0.5.23 does
+            load["disaggregation"] = {"mode": cfg.role, "prefill_bootstrap_queue_reqs": c.get("bootstrap", 0),
+                                      "prefill_inflight_queue_reqs": c.get("inflight", 0),
+                                      "decode_prealloc_queue_reqs": c.get("prealloc", 0),
+                                      "decode_transfer_queue_reqs": c.get("transfer", 0)}
         return jsonr({"timestamp": time.time(), "loads": [load]})
 
     async def metrics_handler(_: Request) -> Response:

@@ -139,6 +139,9 @@ class SGLang:
         served = info.get("served_model_name") or info.get("model_path")
         cap = info.get("max_running_requests")  # SGLang's resolved server arg (the sim reports its own)
         ident = info.get(wire.IDENTITY_FIELD)
+        version, profile = info.get("sglang_version"), info.get("kernel_profile")
+        if isinstance(ident, str) and isinstance(version, str):  # engine/sglang's worker: what runs, said with it
+            ident = f"sglang {version}" + (f" profile {profile}" if isinstance(profile, str) else "") + f" {ident}"
         p = Probe(True, identity=ident if isinstance(ident, str) else None, fixes=info.get(wire.FIXES_FIELD),
                   models=(served,) if isinstance(served, str) else (),
                   capacity=cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else None,
@@ -211,6 +214,6 @@ def _queues(loads: Any) -> dict[str, Any]:
     if not isinstance(first, dict):
         return {}
     out = {k: first.get(k) for k in ("num_running_reqs", "num_waiting_reqs") if k in first}
-    disagg = first.get("disagg")
-    out.update(disagg if isinstance(disagg, dict) else {})
+    disagg = first.get("disaggregation")  # asked as ?include=disagg, answered under this name (managers/load_snapshot)
+    out.update({k: v for k, v in disagg.items() if k.endswith("_queue_reqs")} if isinstance(disagg, dict) else {})
     return out
