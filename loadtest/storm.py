@@ -1,6 +1,6 @@
 """``python -m loadtest storm``: the seed's verification protocol, with a verdict.
 
-1. baseline: each prefill's ``sglang:num_prefill_inflight_queue_reqs`` and an e2e probe
+1. baseline: each prefill's inflight queue (SGLang's ``/v1/loads``, live; else its ``/metrics``) and an e2e probe
    ("say hi", max_tokens 8: status and time);
 2. storm: ``iterations`` x ``instances`` concurrent requests, each cancelled by the client
    at a random point (before the first token, mid-stream) or let finish; optionally a decode
@@ -50,6 +50,24 @@ def pinned(text: str) -> float | None:
         return got
     running, waiting = metric(text, "num_requests_running", "vllm"), metric(text, "num_requests_waiting", "vllm")
     return None if running is None and waiting is None else (running or 0) + (waiting or 0)
+
+
+async def held(http: aiohttp.ClientSession, url: str) -> float | None:
+    """What a prefill holds now (``url``: its /metrics). SGLang's inflight queue as ``/v1/loads`` counts it, asked of
+    the scheduler at once: its /metrics queue gauges are set only when the scheduler logs its stats (a real decode's
+    ``num_decode_transfer_queue_reqs`` read 0 while /v1/loads counted 4 waiting for their KV). Else (vLLM, which
+    has no /v1/loads) what its /metrics say."""
+    base = url.rsplit("/metrics", 1)[0]
+    try:
+        async with http.get(base + "/v1/loads?include=disagg", timeout=aiohttp.ClientTimeout(total=3)) as r:
+            data = await r.json(content_type=None) if r.status == 200 else None
+        counts = [ld["disaggregation"]["prefill_inflight_queue_reqs"] for ld in data["loads"]] \
+            if isinstance(data, dict) and isinstance(data.get("loads"), list) else []
+        if counts and all(isinstance(c, int) for c in counts):
+            return float(sum(counts))
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError, TypeError):
+        pass
+    return pinned(await scrape(http, url))
 
 
 async def scrape(http: aiohttp.ClientSession, url: str) -> str:
@@ -133,7 +151,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             return round(time.monotonic() - t_start, 3)
 
         texts = [await scrape(http, u) for u in metrics_urls]
-        baseline = {u: pinned(t) for u, t in zip(metrics_urls, texts, strict=True)}
+        baseline = {u: await held(http, u) for u in metrics_urls}
         force0 = sum(metric(t, FORCE_FAILS) or 0 for t in texts)
         probe0 = await probe(http, a.gateway, a.model)
         samples: list[dict[str, Any]] = []
@@ -142,8 +160,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 
         async def sampler() -> None:
             while not stop.is_set():
-                vals = await asyncio.gather(*(scrape(http, u) for u in metrics_urls))
-                samples.append({"t": now(), **{u: pinned(t) for u, t in zip(metrics_urls, vals, strict=True)}})
+                vals = await asyncio.gather(*(held(http, u) for u in metrics_urls))
+                samples.append({"t": now(), **dict(zip(metrics_urls, vals, strict=True))})
                 try:
                     await asyncio.wait_for(stop.wait(), 1.0)
                 except TimeoutError:
