@@ -44,3 +44,39 @@ async def test_storm_verdict(procs: Procs, gateways: list[Any], tmp_path: Path, 
     else:
         assert proc.returncode == 0 and report["verdict"] == "PASS", stdout.decode()[-3000:]
         assert report["force_fails"] >= 1
+
+
+async def test_a_prefills_pins_are_read_from_the_schedulers_count_not_a_lagging_gauge() -> None:
+    """Real SGLang's /metrics queue gauges are set only when its scheduler logs stats (a real decode's read 0 while
+    /v1/loads counted 4): the storm reads /v1/loads where the engine has it, /metrics where it has not (vLLM)."""
+    import aiohttp
+    from aiohttp import web
+
+    from loadtest import storm
+
+    gauge = 'sglang:num_prefill_inflight_queue_reqs{engine_type="prefill",tp_rank="0"} 0.0\n'
+    loads = {"loads": [{"dp_rank": 0, "disaggregation": {"mode": "prefill", "prefill_inflight_queue_reqs": 4}}]}
+    async def sglang_metrics(_: web.Request) -> web.Response:
+        return web.Response(text=gauge)
+
+    async def sglang_loads(_: web.Request) -> web.Response:
+        return web.json_response(loads)
+
+    async def vllm_metrics(_: web.Request) -> web.Response:
+        return web.Response(text='vllm:num_requests_running{a="b"} 2.0\n')
+
+    app = web.Application()
+    app.router.add_get("/sglang/metrics", sglang_metrics)
+    app.router.add_get("/sglang/v1/loads", sglang_loads)
+    app.router.add_get("/vllm/metrics", vllm_metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with aiohttp.ClientSession() as http:
+            assert await storm.held(http, f"http://127.0.0.1:{port}/sglang/metrics") == 4
+            assert await storm.held(http, f"http://127.0.0.1:{port}/vllm/metrics") == 2  # no /v1/loads: its gauges
+    finally:
+        await runner.cleanup()
