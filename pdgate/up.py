@@ -64,7 +64,7 @@ def served_model(cluster: Cluster) -> str:
     if w.engine == "vllm":
         return str(opts.get("served_model_name", "tiny-llama"))
     if w.engine == "sglang":
-        return str(opts.get("served_model_name") or opts.get("model", "default"))
+        return str(opts.get("served_model_name") or opts.get("model") or "tiny-llama")  # no model: the tiny one
     args = list(w.args)
     return args[args.index("--model") + 1] if "--model" in args[:-1] else "sim-model"
 

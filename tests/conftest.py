@@ -36,22 +36,27 @@ async def gateways() -> AsyncIterator[list[object]]:
             await g.close()  # type: ignore[attr-defined]
 
 
-REAL: dict[str, float] = {"s": 0.0, "n": 0, "failed": 0}
+# the real tiers: folder -> what runs there
+TIERS = {"tests/real/": "real vLLM PD on this CPU (and pdgate up with either engine)",
+         "tests/real_sglang/": "real SGLang PD on this CPU"}
+REAL: dict[str, dict[str, float]] = {t: {"s": 0.0, "n": 0, "failed": 0} for t in TIERS}
 STARTED = time.monotonic()
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """The real tier's share of the run: its tests' setup, call and teardown (the engines' start included)."""
-    if report.nodeid.startswith("tests/real/"):
-        REAL["s"] += report.duration
-        if report.when == "call":
-            REAL["n"] += 1
-            REAL["failed"] += report.failed
+    """Each real tier's share of the run: its tests' setup, call and teardown (the engines' start included)."""
+    for tier, r in REAL.items():
+        if report.nodeid.startswith(tier):
+            r["s"] += report.duration
+            if report.when == "call":
+                r["n"] += 1
+                r["failed"] += report.failed
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    if REAL["n"]:
-        total = time.monotonic() - STARTED
-        terminalreporter.write_line(f"real tier (tests/real, real vLLM PD on this CPU): {int(REAL['n'])} tests, "
-                                    f"{int(REAL['failed'])} failed, {REAL['s']:.0f} s of this run's {total:.0f} s "
-                                    f"({100 * REAL['s'] / max(total, 1):.0f}%)")
+    total = time.monotonic() - STARTED
+    for tier, r in REAL.items():
+        if r["n"]:
+            terminalreporter.write_line(f"real tier ({tier.rstrip('/')}, {TIERS[tier]}): {int(r['n'])} tests, "
+                                        f"{int(r['failed'])} failed, {r['s']:.0f} s of this run's {total:.0f} s "
+                                        f"({100 * r['s'] / max(total, 1):.0f}%)")

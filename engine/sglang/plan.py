@@ -3,13 +3,21 @@
 A worker's command is ``python -m engine.sglang.worker <SGLang server args>``; its environment
 carries ``CUDA_VISIBLE_DEVICES``, the kernel profile's knobs and the worker's own ``env``.
 Known-bad kernel-profile combinations are refused unless ``allow_unsafe``.
+
+The interpreter is this one (a GPU image with SGLang installed), or, for a profile with
+``own_environment`` (``cpu``), SGLang's own virtual environment that ``engine/sglang/install.sh``
+makes (``PDGATE_ENGINES_HOME``, default ``~/.cache/pdgate/engines``, ``sglang/``). A profile's ``[args]`` (``all``, and per role) come before the
+worker's own ``args``. Without ``model``, a worker serves the tiny model (``engine.model``, built
+with SGLang's environment on first use) as ``tiny-llama``.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +36,40 @@ class Profile:
     name: str
     env: dict[str, str]
     forbid: tuple[dict[str, Any], ...]
+    args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # "all", "prefill", "decode"
+    own_environment: bool = False  # SGLang runs from engine/sglang/install.sh's environment, not this one
+
+    def args_for(self, role: str) -> list[str]:
+        return [*self.args.get("all", ()), *self.args.get(role, ())]
+
+
+INSTALL = "bash engine/sglang/install.sh"
+
+
+def home() -> Path:
+    return Path(os.environ.get("PDGATE_ENGINES_HOME") or Path.home() / ".cache" / "pdgate" / "engines")
+
+
+def python(profile: Profile | None = None) -> str:
+    """The interpreter: SGLang's own environment for a profile that runs there (one-line error naming the install
+    command when it is not there), else this one (a GPU image with SGLang installed)."""
+    if profile is None or not profile.own_environment:
+        return sys.executable
+    exe = home() / "sglang" / "bin" / "python"
+    if not exe.exists():
+        raise FileNotFoundError(f"real SGLang is not installed ({exe} missing): run `{INSTALL}`")
+    return str(exe)
+
+
+def default_model() -> Path:
+    return home() / "models" / "tiny-llama"
+
+
+def ensure_model(path: Path, exe: str) -> Path:
+    """The tiny model, built with the engine's environment the first time (``engine.model``; seconds)."""
+    if not (path / "pdgate-model.json").exists():
+        subprocess.run([exe, "-m", "engine.model", "--out", str(path)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return path
 
 
 def load_profile(name: str) -> Profile:
@@ -36,8 +78,12 @@ def load_profile(name: str) -> Profile:
         known = ", ".join(sorted(p.stem for p in KERNELS.glob("*.toml")))
         raise ValueError(f"kernel profile {name!r} not found in {KERNELS} (known: {known})")
     data = tomllib.loads(path.read_text())
-    return Profile(str(data.get("profile", {}).get("name", name)), {k: str(v) for k, v in data.get("env", {}).items()},
-                   tuple(data.get("forbid", [])))
+    args = {role: tuple(str(a) for a in v) for role, v in data.get("args", {}).items()}
+    if set(args) - {"all", "prefill", "decode"}:
+        raise ValueError(f"kernel profile {name!r}: [args] takes all, prefill, decode (got {sorted(args)})")
+    meta = data.get("profile", {})
+    return Profile(str(meta.get("name", name)), {k: str(v) for k, v in data.get("env", {}).items()},
+                   tuple(data.get("forbid", [])), args, bool(meta.get("own_environment", False)))
 
 
 def check_profile(profile: Profile | None, role: str, env: dict[str, str], allow_unsafe: bool, who: str) -> list[str]:
@@ -51,25 +97,29 @@ def check_profile(profile: Profile | None, role: str, env: dict[str, str], allow
     return bad
 
 
-def command(w: dict[str, Any], python: str = sys.executable) -> list[str]:
+def command(w: dict[str, Any], exe: str | None = None, build_model: bool = True) -> list[str]:
     """SGLang server arguments for one cluster entry, behind our worker entrypoint."""
     unknown = set(w) - KEYS
     if unknown:
         raise ValueError(f"worker {w.get('name')}: unknown keys {sorted(unknown)}")
-    if "model" not in w:
-        raise ValueError(f"worker {w.get('name')}: 'model' (a model path) is required for engine sglang")
     role = w["role"]
-    cmd = [python, "-m", "engine.sglang.worker", "--model-path", str(w["model"]), "--host", str(w.get("host", "127.0.0.1")),
+    profile = load_profile(w["kernel_profile"]) if w.get("kernel_profile") else None
+    exe = exe or python(profile)
+    model = Path(w["model"]) if w.get("model") else default_model()
+    if build_model and not w.get("model"):
+        ensure_model(model, exe)
+    cmd = [exe, "-m", "engine.sglang.worker", "--model-path", str(model), "--host", str(w.get("host", "127.0.0.1")),
            "--port", str(w["port"]), "--disaggregation-mode", role,
            "--disaggregation-transfer-backend", str(w.get("transfer_backend", "nixl")),
-           "--tp-size", str(w.get("tp", 1)), "--dp-size", str(w.get("dp", 1))]
+           "--tp-size", str(w.get("tp", 1)), "--dp-size", str(w.get("dp", 1)),
+           "--enable-metrics"]  # /metrics: the inflight queue and fix C's counter, what the storm judges by
     if role == "prefill":
         cmd += ["--disaggregation-bootstrap-port", str(w.get("bootstrap_port", 8998))]
-    if "served_model_name" in w:
-        cmd += ["--served-model-name", str(w["served_model_name"])]
+    if "served_model_name" in w or not w.get("model"):
+        cmd += ["--served-model-name", str(w.get("served_model_name", "tiny-llama"))]
     if "mem_fraction" in w:
         cmd += ["--mem-fraction-static", str(w["mem_fraction"])]
-    return cmd + [str(a) for a in w.get("args", [])]
+    return cmd + (profile.args_for(role) if profile else []) + [str(a) for a in w.get("args", [])]
 
 
 def environment(w: dict[str, Any], allow_unsafe: bool = False) -> tuple[dict[str, str], list[str]]:
@@ -81,6 +131,7 @@ def environment(w: dict[str, Any], allow_unsafe: bool = False) -> tuple[dict[str
     env.update({str(k): str(v) for k, v in w.get("env", {}).items()})
     if profile is not None:
         env["PDGATE_KERNEL_PROFILE"] = profile.name
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # our worker
     warnings = check_profile(profile, w["role"], env, allow_unsafe, str(w.get("name")))
     if warnings:
         env["PDGATE_KERNEL_PROFILE"] = f"{profile.name if profile else 'none'}+unsafe"
@@ -95,5 +146,5 @@ def plan(cluster_path: str | Path, allow_unsafe: bool = False) -> list[dict[str,
             continue
         env, warnings = environment(w, allow_unsafe)
         out.append({"name": w["name"], "role": w["role"], "url": f"http://{w.get('host', '127.0.0.1')}:{w['port']}",
-                    "env": env, "command": command(w), "warnings": warnings})
+                    "env": env, "command": command(w, build_model=False), "warnings": warnings})
     return out

@@ -13,12 +13,14 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import inspect
+import json
 import logging
 import os
 import sys
 import time
 from typing import Any
 
+from engine.sglang import cpu
 from engine.sglang.patches import (
     KVPOLL,
     SUPPORTED_VERSIONS,
@@ -30,6 +32,7 @@ from engine.sglang.patches import (
 
 log = logging.getLogger("pdgate.sglang.worker")
 FORCE = "--pdgate-force"
+CHECK = "--pdgate-check"  # apply, import SGLang's server, print what is on, exit: the install's check
 
 
 class Incompatible(RuntimeError):
@@ -65,8 +68,22 @@ def check(fixes: list[str], force: bool) -> dict[str, Any]:
     return {"version": version, "targets": resolved, "failed": kvpoll.Failed}
 
 
+def profile() -> str | None:
+    """The kernel profile this worker was planned with (``PDGATE_KERNEL_PROFILE``; ``+unsafe`` when allowed past)."""
+    return os.environ.get("PDGATE_KERNEL_PROFILE")
+
+
 def apply(fixes: list[str], force: bool) -> dict[str, Any]:
+    on_cpu = (profile() or "").split("+")[0] == cpu.NAME
+    stood_in = cpu.install_stand_ins() if on_cpu else []  # before anything imports sglang
     found = check(fixes, force)
+    if on_cpu:
+        try:
+            forced = cpu.apply(force)
+        except cpu.Refused as exc:
+            raise Incompatible(f"{exc} (pass {FORCE} to patch anyway)") from None
+        for p in forced:
+            log.warning("forced past: %s", p)
     failed = found["failed"]
     counter = _counter()
     for fix, target in found["targets"].items():
@@ -78,7 +95,8 @@ def apply(fixes: list[str], force: bool) -> dict[str, Any]:
             patch_bounded_bootstrap(target, failed)
     info = {"pdgate_fixes": sorted(found["targets"]), "sglang_version": found["version"],
             "pdgate_identity": f"{os.getpid()}-{time.time_ns()}",  # new on every start: restarts are seen
-            "kernel_profile": os.environ.get("PDGATE_KERNEL_PROFILE"), "pid": os.getpid()}
+            "kernel_profile": profile(), "pid": os.getpid(),
+            **({"cpu_profile": {"stand_ins": stood_in, "host_page_indices": True}} if on_cpu else {})}
     log.warning("pdgate fixes active: %s (sglang %s, kernel profile %s)", ",".join(info["pdgate_fixes"]) or "none",
                 found["version"], info["kernel_profile"])
     return info
@@ -109,9 +127,12 @@ def main() -> None:
     from sglang.srt.entrypoints.http_server import app
     from sglang.srt.server_args import prepare_server_args
 
+    if CHECK in sys.argv:
+        print(json.dumps(INFO))
+        return
     app.add_api_route("/pdgate/v1/info", lambda: JSONResponse(INFO), methods=["GET"])
     os.environ["PDGATE_FORCE"] = "1" if FORCE in sys.argv else os.environ.get("PDGATE_FORCE", "0")
-    run_server(prepare_server_args([a for a in sys.argv[1:] if a != FORCE]))
+    run_server(prepare_server_args([a for a in sys.argv[1:] if a not in (FORCE, CHECK)]))
 
 
 if __name__ == "__main__":

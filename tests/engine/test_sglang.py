@@ -23,21 +23,22 @@ from tests.procs import ROOT
 FAILED, BOOTSTRAPPING, TRANSFERRING, SUCCESS = 0, 1, 3, 4  # KVPoll
 
 
-def test_plan_golden() -> None:
+def test_plan_golden(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     workers = plan(ROOT / "config" / "cluster.sm120-8gpu.toml")
     assert [w["name"] for w in workers] == ["prefill-0", "decode-0"]
     py = sys.executable
     assert workers[0]["command"] == [
         py, "-m", "engine.sglang.worker", "--model-path", "deepseek-ai/DeepSeek-V4-Flash", "--host", "127.0.0.1",
         "--port", "30310", "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "nixl",
-        "--tp-size", "4", "--dp-size", "1", "--disaggregation-bootstrap-port", "30913",
+        "--tp-size", "4", "--dp-size", "1", "--enable-metrics", "--disaggregation-bootstrap-port", "30913",
         "--served-model-name", "deepseek-v4-flash", "--mem-fraction-static", "0.85", "--trust-remote-code"]
     assert workers[1]["command"][workers[1]["command"].index("--disaggregation-mode") + 1] == "decode"
     assert "--disaggregation-bootstrap-port" not in workers[1]["command"]
     assert workers[0]["env"] == {
         "CUDA_VISIBLE_DEVICES": "0,1,2,3", "PDGATE_KERNEL_PROFILE": "sm120-safe",
         "SGLANG_SM120_FLASHMLA_BACKEND": "flashinfer", "SGLANG_DSV4_PREFILL_INFLIGHT_TIMEOUT": "60",
-        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "300"}
+        "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "300", "PYTHONPATH": str(ROOT)}
     assert workers[1]["env"]["CUDA_VISIBLE_DEVICES"] == "4,5,6,7"
     out = subprocess.run([sys.executable, "-m", "engine.sglang", "plan", "--cluster", "config/cluster.sm120-8gpu.toml"],
                          cwd=ROOT, capture_output=True, text=True)

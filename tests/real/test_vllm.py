@@ -10,37 +10,20 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
-import openai
 import pytest
 
-from pdgate.config import DeadlineConfig, GatewayConfig, HealthConfig, ReconcileConfig, WorkerSpec, validate
+from pdgate.config import ReconcileConfig
 from tests.pdgate.harness import Running, start_gateway
-from tests.procs import Procs, free_port
+from tests.procs import Procs
 from tests.real.conftest import Pair
+from tests.real.engines import MSG, SLACK_S, clean, config, healthy, run_loadtest, sdk
 
 pytestmark = pytest.mark.timeout(300)  # a decode restart (~40 s) and NIXL's stalls on two cores
-CLEAN_S = 30.0  # both engines hold nothing within this (the promise's "within seconds", on a loaded 2-core box)
-# on time, with the slack a 2-core box leaves when the pair's NIXL threads keep both cores busy (docs/fidelity.md:
-# in a full CI run a total budget's end reached the client 2.8 s late); the sims' tier judges timing to 0.3 s
-SLACK_S = 4.0
-MSG = [{"role": "user", "content": "Tell me about the weather in a few words."}]
-
-
-def config(pair: Pair, extra_decodes: tuple[str, ...] = (), **kw: Any) -> GatewayConfig:
-    return validate(GatewayConfig(
-        port=free_port(), admin_port=free_port(), drain_s=0.5, state_dir=tempfile.mkdtemp(prefix="pdgate-state-"),
-        prefill=(WorkerSpec(url=pair.prefill.url, role="prefill", engine="vllm"),),
-        decode=(WorkerSpec(url=pair.decode.url, role="decode", engine="vllm"),
-                *(WorkerSpec(url=u, role="decode", engine="vllm") for u in extra_decodes)),
-        health=kw.pop("health", HealthConfig(interval_s=1.0, timeout_s=5.0, failures=3, degraded_after_s=60)), **kw))
-
-
 @pytest.fixture
 async def gw(pair: Pair) -> AsyncIterator[Running]:
     g = await start_gateway(config(pair))
@@ -49,29 +32,6 @@ async def gw(pair: Pair) -> AsyncIterator[Running]:
         yield g
     finally:
         await g.close()
-
-
-async def healthy(g: Running, within: float = 30.0) -> None:
-    t0 = time.monotonic()
-    async with aiohttp.ClientSession() as http:
-        while True:
-            async with http.get(g.admin + "/v1/workers") as r:
-                ws = (await r.json())["workers"]
-            if ws and all(w["healthy"] for w in ws):
-                return
-            assert time.monotonic() - t0 < within, ws
-            await asyncio.sleep(0.2)
-
-
-def sdk(g: Running, **kw: Any) -> openai.AsyncOpenAI:
-    """The client waits past the gateway's TTFT budget: a stalled pair ends at the gateway's answer (a 504 naming
-    the budget), never at the client's own timeout."""
-    return openai.AsyncOpenAI(base_url=g.url + "/v1", api_key="none", max_retries=0,
-                              timeout=DeadlineConfig().ttft_s + SLACK_S, **kw)
-
-
-async def clean(pair: Pair, within: float = CLEAN_S) -> float:
-    return await asyncio.to_thread(pair.wait_clean, within)
 
 
 async def direct_prompt_tokens(pair: Pair, messages: list[dict[str, Any]]) -> int:
@@ -332,17 +292,6 @@ async def test_a_frozen_prefill_is_a_504_within_the_ttft_budget_and_leaves_nothi
     finally:
         pair.prefill.signal(signal.SIGCONT)
     await clean(pair)
-
-
-async def run_loadtest(*args: str, timeout: float) -> tuple[int, str]:
-    import sys
-
-    from tests.procs import ROOT
-
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "loadtest", *args, cwd=ROOT,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-    out, _ = await asyncio.wait_for(proc.communicate(), timeout)
-    return proc.returncode or 0, out.decode(errors="replace")
 
 
 async def test_the_storms_verdict_on_the_real_pair(pair: Pair, gw: Running, tmp_path: Any) -> None:

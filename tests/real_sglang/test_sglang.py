@@ -1,0 +1,309 @@
+"""pdgate in front of a real SGLang PD pair on this CPU (SGLang 0.5.23 with fixes A/B/C and the CPU profile,
+mooncake moving the KV over TCP, the tiny random model): the OpenAI SDK and SGLang's ``/generate`` through it, a
+deadline ending both legs, a client leaving, an operator's abort, a prefill frozen, counts reconciled, the seed's
+storm; then the engines alone: fix C's watchdog ending a real inflight-queue pin, and what that pin is without the
+fixes; last, a decode killed mid-stream and found restarted. Judged from outside: the client's clock and the
+engines' own counts (``/v1/loads``: running, waiting and every PD queue; fix C's counter on ``/metrics``). The model's words are random."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import tempfile
+import time
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from pdgate.config import ReconcileConfig
+from tests.pdgate.harness import Running, start_gateway
+from tests.real.engines import MSG, SLACK_S, clean, config, healthy, run_loadtest, sdk
+from tests.real_sglang.conftest import WATCHDOG_S, Engine, Pair, engine, pd_body, pd_generate, post
+
+pytestmark = pytest.mark.timeout(300)
+FORCE_FAILED = "sglang:num_prefill_inflight_timeout_reqs_total"
+LONG = "def f(x): return x * 2\n" * 60  # ~700 tokens: the KV transfer takes a moment to stop in
+
+
+@pytest.fixture
+async def gw(pair: Pair) -> AsyncIterator[Running]:
+    g = await start_gateway(config(pair))
+    try:
+        await healthy(g)
+        yield g
+    finally:
+        await g.close()
+
+
+async def test_the_openai_sdk_and_generate_through_the_gateway(pair: Pair, gw: Running) -> None:
+    """Chat and completions, streamed and not, and SGLang's own /generate: 200s, usage as SGLang counts it, the
+    gateway's request id as the engines' rid; the KV really moved (the prefill's /v1/loads reports a transfer); nothing
+    held afterwards."""
+    client = sdk(gw)
+    try:
+        r = await client.chat.completions.create(model=pair.model, messages=MSG, max_tokens=12)  # type: ignore[arg-type]
+        assert r.choices[0].message.content is not None and r.usage is not None and r.usage.prompt_tokens > 0
+        assert r.usage.completion_tokens == 12 or r.choices[0].finish_reason == "stop"
+        stream = await client.chat.completions.create(model=pair.model, messages=MSG, max_tokens=12,  # type: ignore[arg-type]
+                                                      stream=True, stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+        usage = [c.usage for c in chunks if c.usage]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) and usage
+        assert usage[-1].prompt_tokens == r.usage.prompt_tokens
+        c = await client.completions.create(model=pair.model, prompt="The weather today is", max_tokens=8)
+        assert c.choices[0].text is not None and c.usage is not None and c.usage.completion_tokens <= 8
+    finally:
+        await client.close()
+    async with aiohttp.ClientSession() as http:
+        async with http.post(gw.url + "/generate", json={"text": "The weather today is",
+                                                          "sampling_params": {"max_new_tokens": 6}}) as g:
+            body = await g.json()
+            assert g.status == 200 and body["meta_info"]["completion_tokens"] <= 6, body
+            assert body["meta_info"]["id"].startswith(g.headers["x-request-id"]), (body["meta_info"], g.headers)
+        async with http.get(pair.prefill.url + "/v1/loads?include=disagg") as loads:
+            disagg = (await loads.json())["loads"][0]["disaggregation"]
+    assert disagg["mode"] == "prefill" and disagg["kv_transfer_latency_ms"] > 0, disagg
+    await clean(pair)
+
+
+async def test_a_deadline_mid_stream_ends_it_with_an_error_event_and_frees_both_legs(pair: Pair, gw: Running) -> None:
+    """A long stream whose decode is frozen (SIGSTOP) after its first events, cut by its idle budget (1 s from the
+    freeze): one error event naming the budget, then [DONE], on time; after the decode runs again neither engine
+    holds it (their own gauges)."""
+    events: list[bytes] = []
+    t0 = 0.0
+    try:
+        async with aiohttp.ClientSession() as http, http.post(
+                gw.url + "/v1/chat/completions", headers={"x-pdgate-idle-timeout": "1"},
+                json={"model": pair.model, "messages": MSG, "max_tokens": 900, "stream": True,
+                      "ignore_eos": True}) as r:
+            assert r.status == 200, await r.text()
+            async for line in r.content:
+                if line.startswith(b"data:"):
+                    events.append(line)
+                    if len(events) == 2:
+                        pair.decode.signal(signal.SIGSTOP)
+                        t0 = time.monotonic()
+        took = time.monotonic() - t0
+    finally:
+        pair.decode.signal(signal.SIGCONT)
+    assert events[-1].strip() == b"data: [DONE]" and b'"error"' in events[-2] and b"idle" in events[-2], events[-3:]
+    assert took < 1.0 + SLACK_S, took
+    await clean(pair)
+
+
+async def test_a_client_that_leaves_mid_stream_and_an_operators_abort_free_both_legs(pair: Pair, gw: Running) -> None:
+    async with aiohttp.ClientSession() as http:
+        body = {"model": pair.model, "messages": MSG, "max_tokens": 900, "stream": True, "ignore_eos": True}
+        async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+            n = 0
+            async for line in r.content:
+                n += line.startswith(b"data:")
+                if n == 3:
+                    break  # the client leaves: the connection closes with the response
+        await clean(pair)
+        async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+            rid = r.headers["x-request-id"]
+            lines = []
+            async for line in r.content:
+                if line.startswith(b"data:"):
+                    lines.append(line)
+                    if len(lines) == 2:
+                        async with http.post(f"{gw.admin}/v1/requests/{rid}/abort") as a:
+                            assert a.status in (200, 202), await a.text()
+        assert lines[-1].strip() == b"data: [DONE]" and b"abort" in lines[-2], lines[-2:]
+        assert len(lines) < 500, "ended by the abort, not by its length"
+    await clean(pair)
+
+
+async def test_a_frozen_prefill_is_a_504_within_the_ttft_budget_and_leaves_nothing(pair: Pair, gw: Running) -> None:
+    """The prefill SIGSTOPped: a request with a 2 s TTFT budget is a 504 by then; once it runs again neither engine
+    holds it (the decode's leg was aborted, the prefill never got past its bootstrap)."""
+    pair.prefill.signal(signal.SIGSTOP)
+    try:
+        async with aiohttp.ClientSession() as http:
+            t0 = time.monotonic()
+            async with http.post(gw.url + "/v1/chat/completions", headers={"x-pdgate-ttft-timeout": "2"},
+                                 json={"model": pair.model, "messages": MSG, "max_tokens": 8}) as r:
+                body = await r.json()
+            took = time.monotonic() - t0
+        assert r.status == 504 and "ttft" in body["error"]["message"], body
+        assert 2.0 <= took < 2.0 + SLACK_S, took
+    finally:
+        pair.prefill.signal(signal.SIGCONT)
+    await clean(pair)
+
+
+async def test_counts_are_reconciled_drift_reads_zero_while_streams_run(pair: Pair) -> None:
+    """Plain SGLang lists no rids: reconciliation compares its queue counts with the gateway's. While three streams run
+    and after they end, drift reads 0 on both workers, and nothing is aborted."""
+    g = await start_gateway(config(pair, reconcile=ReconcileConfig(interval_s=0.5, grace_s=0.5, drift_checks=2)))
+    try:
+        await healthy(g)
+        async with aiohttp.ClientSession() as http:
+            body = {"model": pair.model, "messages": MSG, "max_tokens": 400, "stream": True, "ignore_eos": True}
+
+            async def one() -> bytes:
+                async with http.post(g.url + "/v1/chat/completions", json=body) as r:
+                    return await r.read()
+
+            tasks = [asyncio.create_task(one()) for _ in range(3)]
+            while not all(t.done() for t in tasks):
+                await asyncio.sleep(0.3)
+            assert all(b"[DONE]" in t.result() for t in tasks)
+            await asyncio.sleep(1.5)
+            async with http.get(g.admin + "/v1/workers") as r:
+                final = [w["drift"] for w in (await r.json())["workers"]]
+            async with http.get(g.admin + "/metrics") as r:
+                text = await r.text()
+        assert final == [0, 0], final
+        assert 'pdgate_reconcile_aborts_total{mode="count"' not in text, "nothing of a live stream re-aborted"
+    finally:
+        await g.close()
+    await clean(pair)
+
+
+async def test_the_storms_verdict_on_the_real_pair(pair: Pair, gw: Running, tmp_path: Any) -> None:
+    """The seed's storm (4 x 3 requests cancelled at random points, or let finish) through pdgate on the real
+    scheduler with fixes A/B/C: every client request terminal, the prefill's inflight queue back to its baseline
+    after the watchdog + grace, both probes fine — PASS."""
+    import json
+
+    storm = tmp_path / "storm.json"
+    rc, out = await run_loadtest("storm", "--gateway", gw.url, "--admin", gw.admin, "--model", pair.model,
+                                 "--iterations", "4", "--instances", "3", "--watchdog", str(WATCHDOG_S),
+                                 "--grace", "5", "--window", "20", "--request-timeout", "60", "--out", str(storm),
+                                 timeout=200)
+    report = json.loads(storm.read_text())
+    assert rc == 0 and report["verdict"] == "PASS", out[-3000:]
+    await clean(pair)
+
+
+def queue(e: Engine, name: str) -> int:
+    """One PD queue's count as the engine's scheduler gives it now (``/v1/loads``; its /metrics gauges lag)."""
+    with urllib.request.urlopen(e.url + "/v1/loads?include=disagg", timeout=20) as r:
+        return sum(int(ld["disaggregation"][name]) for ld in json.loads(r.read())["loads"])
+
+
+def pin(prefill: Engine, decode: Engine, hold_s: float, n: int = 4) -> dict[str, Any]:
+    """The seed's pin, made on purpose: n requests' decode legs first, until the decode has made room for their KV
+    and told the prefill where (its transfer queue holds them); then the decode stopped (SIGSTOP), then the prefill
+    legs: the prefill computes them and its transfers to the stopped decode do not end, so they sit in its real
+    inflight queue. Sampled each 0.5 s for hold_s as (seconds, inflight, force-failed), then the decode runs again.
+    A prefill leg that fails has its decode leg aborted by rid, as a router does."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [pd_body(prefill, f"{i} {LONG}", 4) for i in range(n)]
+    samples: list[tuple[float, float, float]] = []
+    with ThreadPoolExecutor(2 * n) as pool:
+        decode_legs = [pool.submit(post, decode, "/generate", b) for b in bodies]
+        t0 = time.monotonic()
+        while queue(decode, "decode_transfer_queue_reqs") < n:  # room made, the prefill told where: waiting for KV
+            assert time.monotonic() - t0 < 30, f"the decode did not take the {n} requests"
+            time.sleep(0.05)
+        decode.signal(signal.SIGSTOP)
+        try:
+            prefill_legs = [pool.submit(post, prefill, "/generate", b) for b in bodies]
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < hold_s:
+                inflight = queue(prefill, "prefill_inflight_queue_reqs")
+                samples.append((time.monotonic() - t0, float(inflight), prefill.metrics().get(FORCE_FAILED, 0.0)))
+                time.sleep(0.5)
+        finally:
+            decode.signal(signal.SIGCONT)
+        prefills = [f.result() for f in prefill_legs]
+        for b, p in zip(bodies, prefills, strict=True):
+            if p["status"] != 200:
+                post(decode, "/abort_request", {"rid": b["rid"]})
+        decodes = [f.result() for f in decode_legs]
+    return {"samples": samples, "prefill": prefills, "decode": decodes}
+
+
+async def test_fix_c_ends_a_real_inflight_queue_pin_while_the_decode_is_stopped(pair: Pair) -> None:
+    """The decode stopped mid-transfer pins requests in the prefill's real inflight queue (the seed's pin). With fix C
+    the watchdog ends them while the decode is still stopped: the queue back to 0 within the watchdog (8 s) and a
+    poll's slack, its counter up by as many, a log line each, each prefill leg answered 500; once the decode runs
+    again (their decode legs aborted) neither engine holds anything."""
+    n = 4
+    log_before = pair.prefill.log.read_text(errors="replace").count("inflight watchdog: force-failing")
+    got = await asyncio.to_thread(pin, pair.prefill, pair.decode, WATCHDOG_S + 6, n)
+    samples = got["samples"]
+    assert samples[0][1] == n or samples[1][1] == n, f"the {n} requests were not pinned: {samples}"
+    cleared = [s for s in samples if s[1] == 0]
+    assert cleared and cleared[0][0] < WATCHDOG_S + 4, f"the inflight queue did not clear while stopped: {samples}"
+    assert samples[-1][2] - samples[0][2] == n, f"fix C's counter did not count them: {samples}"
+    assert [p["status"] for p in got["prefill"]] == [500] * n, got["prefill"]
+    lines = pair.prefill.log.read_text(errors="replace").count("inflight watchdog: force-failing")
+    assert lines - log_before == n, "each force-fail is logged"
+    await clean(pair)
+
+
+async def test_without_the_fixes_the_pin_lasts_as_long_as_the_decode_is_stopped(pair: Pair) -> None:
+    """The same pin against a prefill started with ``PDGATE_FIXES=none`` (beside the pair's, with the pair's decode):
+    the requests stay in its inflight queue past the watchdog's 8 s and 4 s more — SGLang itself bounds nothing there
+    (no counter, no log line) — and end, served, only when the decode runs again. What the seed saw on its GPUs,
+    where the decode did not come back."""
+    n = 4
+    bare = engine("prefill", Path(tempfile.mkdtemp(prefix="pdgate-real-sglang-bare-")), fixes="none")
+    bare.start()
+    try:
+        await asyncio.to_thread(bare.wait)
+        warm = await asyncio.to_thread(pd_generate, bare, pair.decode, "warm up", 2)
+        assert warm["decode"]["status"] == 200, warm
+        got = await asyncio.to_thread(pin, bare, pair.decode, WATCHDOG_S + 4, n)
+        samples = got["samples"]
+        assert all(s[1] == n for s in samples[1:]), f"the pin should hold while the decode is stopped: {samples}"
+        assert samples[-1][0] >= WATCHDOG_S + 3 and all(s[2] == 0 for s in samples), samples
+        assert "inflight watchdog" not in bare.log.read_text(errors="replace")
+        assert [p["status"] for p in got["prefill"]] == [200] * n, got["prefill"]  # served once the decode ran again
+        assert [d["status"] for d in got["decode"]] == [200] * n, got["decode"]
+    finally:
+        await asyncio.to_thread(bare.stop)
+    await clean(pair)
+
+
+async def test_a_decode_killed_mid_stream_ends_it_and_its_restart_is_found(pair: Pair) -> None:
+    """SIGKILL of the decode (its whole process group) mid-stream: the client gets an error event and [DONE] at once;
+    the decode started again is a new identity (restarts + 1) and serves; nothing held afterwards. Last in the tier."""
+    g = await start_gateway(config(pair))
+    try:
+        await healthy(g)
+        async with aiohttp.ClientSession() as http:
+            async with http.get(g.admin + "/v1/workers") as r:
+                before = next(w for w in (await r.json())["workers"] if w["role"] == "decode")
+            lines: list[bytes] = []
+            t_kill = 0.0
+            async with http.post(g.url + "/v1/chat/completions", json={
+                    "model": pair.model, "messages": MSG, "max_tokens": 900, "stream": True, "ignore_eos": True}) as r:
+                async for line in r.content:
+                    if line.startswith(b"data:"):
+                        lines.append(line)
+                        if len(lines) == 3:
+                            pair.decode.signal(signal.SIGKILL)
+                            t_kill = time.monotonic()
+            ended = time.monotonic() - t_kill
+            assert lines[-1].strip() == b"data: [DONE]" and b'"error"' in lines[-2], lines[-2:]
+            assert ended < 1.0 + SLACK_S, ended
+            pair.notes["decode_restart_s"] = await asyncio.to_thread(pair.decode.restart)
+            t0 = time.monotonic()
+            while True:
+                async with http.get(g.admin + "/v1/workers") as r:
+                    after = next(w for w in (await r.json())["workers"] if w["role"] == "decode")
+                if after["healthy"] and after["identity"] != before["identity"]:
+                    break
+                assert time.monotonic() - t0 < 30, after
+                await asyncio.sleep(0.5)
+            assert after["restarts"] > before["restarts"], after
+            assert after["identity"].startswith("sglang 0.5.23 profile cpu"), after
+            async with http.post(g.url + "/v1/chat/completions",
+                                 json={"model": pair.model, "messages": MSG, "max_tokens": 4}) as r:
+                assert r.status == 200, await r.text()
+    finally:
+        await g.close()
+    await clean(pair)
