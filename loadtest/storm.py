@@ -78,11 +78,11 @@ async def scrape(http: aiohttp.ClientSession, url: str) -> str:
         return ""
 
 
-async def probe(http: aiohttp.ClientSession, gateway: str, model: str) -> dict[str, Any]:
+async def probe(http: aiohttp.ClientSession, gateway: str, model: str, timeout: float = 30) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
         async with http.post(gateway + "/v1/chat/completions", json={**PROBE, "model": model},
-                             timeout=aiohttp.ClientTimeout(total=30)) as r:
+                             timeout=aiohttp.ClientTimeout(total=timeout)) as r:
             await r.read()
             return {"status": r.status, "seconds": round(time.monotonic() - t0, 3)}
     except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -153,7 +153,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         texts = [await scrape(http, u) for u in metrics_urls]
         baseline = {u: await held(http, u) for u in metrics_urls}
         force0 = sum(metric(t, FORCE_FAILS) or 0 for t in texts)
-        probe0 = await probe(http, a.gateway, a.model)
+        probe0 = await probe(http, a.gateway, a.model, a.probe_timeout)
         samples: list[dict[str, Any]] = []
         marks: list[dict[str, Any]] = []
         stop = asyncio.Event()
@@ -192,7 +192,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         await sampling
         texts = [await scrape(http, u) for u in metrics_urls]
         force = sum(metric(t, FORCE_FAILS) or 0 for t in texts) - force0
-        probe1 = await probe(http, a.gateway, a.model)
+        probe1 = await probe(http, a.gateway, a.model, a.probe_timeout)
 
     after = [s for s in samples if s["t"] >= deadline]
     peak = max((max((v or 0) for k, v in s.items() if k != "t") for s in samples), default=0)
@@ -282,4 +282,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--window", type=float, default=90, help="seconds to monitor after the storm")
     p.add_argument("--restart-decode", action="store_true", help="restart a decode worker through the gateway mid-storm")
     p.add_argument("--request-timeout", type=float, default=120, help="a client request still open after this is hung")
+    p.add_argument("--probe-timeout", type=float, default=30,
+                   help="how long the probes before and after wait for their answer (past the gateway's TTFT budget, "
+                   "they judge the gateway's answer, not the client's patience)")
     verdict_command(p, "storm", run, report, plot)

@@ -14,9 +14,9 @@ how they were found: ``../shared/reference/real-engines-cpu.md``, docs/fidelity.
   indices and records a CUDA event when the sender ``supports_host_tensor_indices`` (mooncake's does): with no
   driver that fails the first transfer. The indices are host tensors here already, so the mooncake sender is told
   it does not support them and the send takes SGLang's own other branch (``kv_to_page_indices``).
-- Server arguments (the profile's ``[args]``, given by the planner): ``--device cpu`` (with ``SGLANG_USE_CPU_ENGINE=1``), the
-  torch attention backend, no overlap schedule, and the decode's retraction backup in CPU tensors (its default
-  registers host memory with CUDA).
+- Server arguments (the profile's ``[args]``, given by the planner): ``--device cpu`` (with
+  ``SGLANG_USE_CPU_ENGINE=1``), the torch attention backend, no overlap schedule, ``--sleep-on-idle``, and the
+  decode's retraction backup in CPU tensors (its default registers host memory with CUDA).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Real SGLang 0.5.23 for CPU in its own virtual environment, ready for `pdgate up --cluster
 # config/cluster.sglang-cpu.toml` and the real test tier. Idempotent: an environment that already has it takes
-# seconds. Where: $PDGATE_ENGINES_HOME/sglang (default ~/.cache/pdgate/engines/sglang; ~2 GB). What it makes work:
+# seconds. Where: $PDGATE_ENGINES_HOME/sglang (default ~/.cache/pdgate/engines/sglang; ~3 GB). What it makes work:
 # - torch: the CPU build 2.13.0+cpu (SGLang pins 2.14.1, whose PyPI wheel is the CUDA build with ~3 GB of nvidia
 #   packages); pip finds it through this machine's configuration, elsewhere through PyTorch's CPU index
 #   (PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu);
@@ -28,7 +28,7 @@ check() {
 if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('sglang') != '$want')" 2>/dev/null && check; then
     echo "real SGLang $want: already installed in $venv"
 else
-    echo "installing real SGLang $want for CPU into $venv (a few minutes, ~2 GB)"
+    echo "installing real SGLang $want for CPU into $venv (a few minutes, ~3 GB)"
     mkdir -p "$home"
     [ -x "$venv/bin/python" ] || python3.11 -m venv "$venv" 2>/dev/null || python3 -m venv "$venv"
     "$venv/bin/pip" install -q "torch==2.13.0+cpu" 2>&1 | quiet

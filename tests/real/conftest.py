@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from tests.procs import free_port
-from tests.real.engines import Engine, Pair, require_installed
+from tests.real.common import gw  # noqa: F401 - the gateway fixture of either tier
+from tests.real.engines import Engine, Pair, require_installed, running
 
 __all__ = ["Engine", "Pair"]
 
@@ -49,15 +50,6 @@ def pair() -> Iterator[Pair]:
     engines = [Engine(role, port, {"name": f"vllm-{role}", "engine": "vllm", "role": role, "port": port,
                                    "cpu": cpu, "side_channel_port": free_port()}, logs / f"vllm-{role}.log")
                for role, port, cpu in (("prefill", pp, 0), ("decode", dp, 1))]
-    try:
-        t0 = time.monotonic()
-        for e in engines:
-            e.start()
-        for e in engines:
-            e.wait()
-        p = Pair(*engines, started_s=time.monotonic() - t0)
+    with running(*engines) as p:
         p.notes["first_transfer_s"] = warm_up(p)
         yield p
-    finally:
-        for e in engines:
-            e.stop()

@@ -4,6 +4,7 @@ virtual environment, its own process group; and a PD pair of them. Judged from o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -132,6 +134,7 @@ class Pair:
     started_s: float = 0.0
     model: str = "tiny-llama"
     notes: dict[str, Any] = field(default_factory=dict)
+    watchdog_s: float = 5.0  # how long the storm waits for the engines to let go of what a cancellation left
 
     @property
     def engines(self) -> tuple[Engine, Engine]:
@@ -161,6 +164,21 @@ class Pair:
             if now - t0 > within:
                 raise AssertionError(f"the engines still hold {held} request(s) after {within:.0f}s (-1: no answer)")
             time.sleep(0.1)
+
+
+@contextlib.contextmanager
+def running(prefill: Engine, decode: Engine, **kw: Any) -> Iterator[Pair]:
+    """Both engines started at once and up; both stopped afterwards, also on failure."""
+    try:
+        t0 = time.monotonic()
+        for e in (prefill, decode):
+            e.start()
+        for e in (prefill, decode):
+            e.wait()
+        yield Pair(prefill, decode, started_s=time.monotonic() - t0, **kw)
+    finally:
+        for e in (prefill, decode):
+            e.stop()
 
 
 def require_installed(kind: str) -> None:

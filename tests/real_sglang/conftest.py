@@ -1,7 +1,7 @@
 """The SGLang real tier: one real SGLang 0.5.23 PD pair on this CPU (engine/sglang with fixes A/B/C and the CPU
 profile, mooncake over TCP, the tiny model), started once for the tier after vLLM's pair has stopped (one pair at a
 time: each engine takes ~3 GiB and a core), shared by its tests, stopped when the tier ends. Judged from outside:
-the client's clock and the engines' own ``/metrics`` (``SGLANG_HELD``: running, waiting and every PD queue).
+the client's clock and the engines' own counts (``/v1/loads``: running, waiting and every PD queue).
 
 The prefill's inflight watchdog (fix C) is 8 s here, not the profile's 60: a pinned request ends within a test.
 Not installed: in CI (``CI`` set) a failure naming the install command, never a skip; elsewhere a skip with it."""
@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from tests.procs import free_port
-from tests.real.engines import Engine, Pair, require_installed
+from tests.real.common import gw  # noqa: F401 - the gateway fixture of either tier
+from tests.real.engines import Engine, Pair, require_installed, running
 
 __all__ = ["WATCHDOG_S", "Engine", "Pair", "engine", "pd_body", "pd_generate", "post"]
 WATCHDOG_S = 8.0
@@ -73,17 +74,7 @@ def pd_generate(prefill: Engine, decode: Engine, text: str, max_new_tokens: int)
 def pair() -> Iterator[Pair]:
     require_installed("sglang")
     logs = Path(tempfile.mkdtemp(prefix="pdgate-real-sglang-"))
-    engines = [engine("prefill", logs), engine("decode", logs)]
-    try:
-        t0 = time.monotonic()
-        for e in engines:
-            e.start()
-        for e in engines:
-            e.wait()
-        p = Pair(*engines, started_s=time.monotonic() - t0)
+    with running(engine("prefill", logs), engine("decode", logs), watchdog_s=WATCHDOG_S) as p:
         first = pd_generate(p.prefill, p.decode, "warm up", 2)  # the first transfer connects mooncake's two ends
-        assert first.get("decode", {}).get("status") == 200, first
+        assert first["decode"]["status"] == 200, first
         yield p
-    finally:
-        for e in engines:
-            e.stop()

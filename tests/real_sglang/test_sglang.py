@@ -1,9 +1,9 @@
 """pdgate in front of a real SGLang PD pair on this CPU (SGLang 0.5.23 with fixes A/B/C and the CPU profile,
 mooncake moving the KV over TCP, the tiny random model): the OpenAI SDK and SGLang's ``/generate`` through it, a
-deadline ending both legs, a client leaving, an operator's abort, a prefill frozen, counts reconciled, the seed's
-storm; then the engines alone: fix C's watchdog ending a real inflight-queue pin, and what that pin is without the
-fixes; last, a decode killed mid-stream and found restarted. Judged from outside: the client's clock and the
-engines' own counts (``/v1/loads``: running, waiting and every PD queue; fix C's counter on ``/metrics``). The model's words are random."""
+deadline ending both legs; the engines alone: fix C's watchdog ending a real inflight-queue pin, and what that pin
+is without the fixes (and an abort mid-transfer); then the scenarios both tiers share (tests/real/common.py). Judged
+from outside: the client's clock and the engines' own counts (``/v1/loads``: running, waiting and every PD queue;
+fix C's counter on ``/metrics``). The model's words are random."""
 
 from __future__ import annotations
 
@@ -13,31 +13,20 @@ import signal
 import tempfile
 import time
 import urllib.request
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from pdgate.config import ReconcileConfig
-from tests.pdgate.harness import Running, start_gateway
-from tests.real.engines import MSG, SLACK_S, clean, config, healthy, run_loadtest, sdk
+from tests.pdgate.harness import Running
+from tests.real import common
+from tests.real.engines import MSG, SLACK_S, clean, sdk
 from tests.real_sglang.conftest import WATCHDOG_S, Engine, Pair, engine, pd_body, pd_generate, post
 
 pytestmark = pytest.mark.timeout(300)
 FORCE_FAILED = "sglang:num_prefill_inflight_timeout_reqs_total"
 LONG = "def f(x): return x * 2\n" * 60  # ~700 tokens: the KV transfer takes a moment to stop in
-
-
-@pytest.fixture
-async def gw(pair: Pair) -> AsyncIterator[Running]:
-    g = await start_gateway(config(pair))
-    try:
-        await healthy(g)
-        yield g
-    finally:
-        await g.close()
 
 
 async def test_the_openai_sdk_and_generate_through_the_gateway(pair: Pair, gw: Running) -> None:
@@ -97,110 +86,24 @@ async def test_a_deadline_mid_stream_ends_it_with_an_error_event_and_frees_both_
     await clean(pair)
 
 
-async def test_a_client_that_leaves_mid_stream_and_an_operators_abort_free_both_legs(pair: Pair, gw: Running) -> None:
-    async with aiohttp.ClientSession() as http:
-        body = {"model": pair.model, "messages": MSG, "max_tokens": 900, "stream": True, "ignore_eos": True}
-        async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
-            assert r.status == 200
-            n = 0
-            async for line in r.content:
-                n += line.startswith(b"data:")
-                if n == 3:
-                    break  # the client leaves: the connection closes with the response
-        await clean(pair)
-        async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
-            rid = r.headers["x-request-id"]
-            lines = []
-            async for line in r.content:
-                if line.startswith(b"data:"):
-                    lines.append(line)
-                    if len(lines) == 2:
-                        async with http.post(f"{gw.admin}/v1/requests/{rid}/abort") as a:
-                            assert a.status in (200, 202), await a.text()
-        assert lines[-1].strip() == b"data: [DONE]" and b"abort" in lines[-2], lines[-2:]
-        assert len(lines) < 500, "ended by the abort, not by its length"
-    await clean(pair)
-
-
-async def test_a_frozen_prefill_is_a_504_within_the_ttft_budget_and_leaves_nothing(pair: Pair, gw: Running) -> None:
-    """The prefill SIGSTOPped: a request with a 2 s TTFT budget is a 504 by then; once it runs again neither engine
-    holds it (the decode's leg was aborted, the prefill never got past its bootstrap)."""
-    pair.prefill.signal(signal.SIGSTOP)
-    try:
-        async with aiohttp.ClientSession() as http:
-            t0 = time.monotonic()
-            async with http.post(gw.url + "/v1/chat/completions", headers={"x-pdgate-ttft-timeout": "2"},
-                                 json={"model": pair.model, "messages": MSG, "max_tokens": 8}) as r:
-                body = await r.json()
-            took = time.monotonic() - t0
-        assert r.status == 504 and "ttft" in body["error"]["message"], body
-        assert 2.0 <= took < 2.0 + SLACK_S, took
-    finally:
-        pair.prefill.signal(signal.SIGCONT)
-    await clean(pair)
-
-
-async def test_counts_are_reconciled_drift_reads_zero_while_streams_run(pair: Pair) -> None:
-    """Plain SGLang lists no rids: reconciliation compares its queue counts with the gateway's. While three streams run
-    and after they end, drift reads 0 on both workers, and nothing is aborted."""
-    g = await start_gateway(config(pair, reconcile=ReconcileConfig(interval_s=0.5, grace_s=0.5, drift_checks=2)))
-    try:
-        await healthy(g)
-        async with aiohttp.ClientSession() as http:
-            body = {"model": pair.model, "messages": MSG, "max_tokens": 400, "stream": True, "ignore_eos": True}
-
-            async def one() -> bytes:
-                async with http.post(g.url + "/v1/chat/completions", json=body) as r:
-                    return await r.read()
-
-            tasks = [asyncio.create_task(one()) for _ in range(3)]
-            while not all(t.done() for t in tasks):
-                await asyncio.sleep(0.3)
-            assert all(b"[DONE]" in t.result() for t in tasks)
-            await asyncio.sleep(1.5)
-            async with http.get(g.admin + "/v1/workers") as r:
-                final = [w["drift"] for w in (await r.json())["workers"]]
-            async with http.get(g.admin + "/metrics") as r:
-                text = await r.text()
-        assert final == [0, 0], final
-        assert 'pdgate_reconcile_aborts_total{mode="count"' not in text, "nothing of a live stream re-aborted"
-    finally:
-        await g.close()
-    await clean(pair)
-
-
-async def test_the_storms_verdict_on_the_real_pair(pair: Pair, gw: Running, tmp_path: Any) -> None:
-    """The seed's storm (4 x 3 requests cancelled at random points, or let finish) through pdgate on the real
-    scheduler with fixes A/B/C: every client request terminal, the prefill's inflight queue back to its baseline
-    after the watchdog + grace, both probes fine — PASS."""
-    import json
-
-    storm = tmp_path / "storm.json"
-    rc, out = await run_loadtest("storm", "--gateway", gw.url, "--admin", gw.admin, "--model", pair.model,
-                                 "--iterations", "4", "--instances", "3", "--watchdog", str(WATCHDOG_S),
-                                 "--grace", "5", "--window", "20", "--request-timeout", "60", "--out", str(storm),
-                                 timeout=200)
-    report = json.loads(storm.read_text())
-    assert rc == 0 and report["verdict"] == "PASS", out[-3000:]
-    await clean(pair)
-
-
 def queue(e: Engine, name: str) -> int:
     """One PD queue's count as the engine's scheduler gives it now (``/v1/loads``; its /metrics gauges lag)."""
     with urllib.request.urlopen(e.url + "/v1/loads?include=disagg", timeout=20) as r:
         return sum(int(ld["disaggregation"][name]) for ld in json.loads(r.read())["loads"])
 
 
-def pin(prefill: Engine, decode: Engine, hold_s: float, n: int = 4) -> dict[str, Any]:
+def pin(prefill: Engine, decode: Engine, hold_s: float, n: int = 4, abort_at: float | None = None) -> dict[str, Any]:
     """The seed's pin, made on purpose: n requests' decode legs first, until the decode has made room for their KV
     and told the prefill where (its transfer queue holds them); then the decode stopped (SIGSTOP), then the prefill
     legs: the prefill computes them and its transfers to the stopped decode do not end, so they sit in its real
     inflight queue. Sampled each 0.5 s for hold_s as (seconds, inflight, force-failed), then the decode runs again.
-    A prefill leg that fails has its decode leg aborted by rid, as a router does."""
+    A prefill leg that fails has its decode leg aborted by rid, as a router does. ``abort_at``: that many seconds
+    into the hold, the first request is aborted on the prefill (SGLang's ``/abort_request``), mid-transfer."""
     from concurrent.futures import ThreadPoolExecutor
 
     bodies = [pd_body(prefill, f"{i} {LONG}", 4) for i in range(n)]
     samples: list[tuple[float, float, float]] = []
+    aborted = False
     with ThreadPoolExecutor(2 * n) as pool:
         decode_legs = [pool.submit(post, decode, "/generate", b) for b in bodies]
         t0 = time.monotonic()
@@ -212,14 +115,17 @@ def pin(prefill: Engine, decode: Engine, hold_s: float, n: int = 4) -> dict[str,
             prefill_legs = [pool.submit(post, prefill, "/generate", b) for b in bodies]
             t0 = time.monotonic()
             while time.monotonic() - t0 < hold_s:
+                if abort_at is not None and not aborted and time.monotonic() - t0 >= abort_at:
+                    post(prefill, "/abort_request", {"rid": bodies[0]["rid"]})
+                    aborted = True
                 inflight = queue(prefill, "prefill_inflight_queue_reqs")
                 samples.append((time.monotonic() - t0, float(inflight), prefill.metrics().get(FORCE_FAILED, 0.0)))
                 time.sleep(0.5)
         finally:
             decode.signal(signal.SIGCONT)
         prefills = [f.result() for f in prefill_legs]
-        for b, p in zip(bodies, prefills, strict=True):
-            if p["status"] != 200:
+        for i, (b, p) in enumerate(zip(bodies, prefills, strict=True)):
+            if p["status"] != 200 or (i == 0 and aborted):  # failed, or aborted on purpose
                 post(decode, "/abort_request", {"rid": b["rid"]})
         decodes = [f.result() for f in decode_legs]
     return {"samples": samples, "prefill": prefills, "decode": decodes}
@@ -248,7 +154,9 @@ async def test_without_the_fixes_the_pin_lasts_as_long_as_the_decode_is_stopped(
     """The same pin against a prefill started with ``PDGATE_FIXES=none`` (beside the pair's, with the pair's decode):
     the requests stay in its inflight queue past the watchdog's 8 s and 4 s more — SGLang itself bounds nothing there
     (no counter, no log line) — and end, served, only when the decode runs again. What the seed saw on its GPUs,
-    where the decode did not come back."""
+    where the decode did not come back. And an abort mid-transfer: one of them aborted on the prefill 3 s in leaves
+    the queue at once, without fix A — upstream loses an abort only for a sender that does not own its bootstrap
+    room, which needs ``--disaggregation-decode-allocation-policy prefill_complete`` (here the default, ``early``)."""
     n = 4
     bare = engine("prefill", Path(tempfile.mkdtemp(prefix="pdgate-real-sglang-bare-")), fixes="none")
     bare.start()
@@ -256,54 +164,27 @@ async def test_without_the_fixes_the_pin_lasts_as_long_as_the_decode_is_stopped(
         await asyncio.to_thread(bare.wait)
         warm = await asyncio.to_thread(pd_generate, bare, pair.decode, "warm up", 2)
         assert warm["decode"]["status"] == 200, warm
-        got = await asyncio.to_thread(pin, bare, pair.decode, WATCHDOG_S + 4, n)
+        got = await asyncio.to_thread(pin, bare, pair.decode, WATCHDOG_S + 4, n, 3.0)
         samples = got["samples"]
-        assert all(s[1] == n for s in samples[1:]), f"the pin should hold while the decode is stopped: {samples}"
+        before = [s for s in samples if 0.2 < s[0] < 3.0]
+        after = [s for s in samples if s[0] > 4.5]
+        assert before and all(s[1] == n for s in before), f"{n} pinned before the abort: {samples}"
+        assert after and all(s[1] == n - 1 for s in after), \
+            f"the aborted one gone, the others pinned while the decode is stopped: {samples}"
         assert samples[-1][0] >= WATCHDOG_S + 3 and all(s[2] == 0 for s in samples), samples
         assert "inflight watchdog" not in bare.log.read_text(errors="replace")
-        assert [p["status"] for p in got["prefill"]] == [200] * n, got["prefill"]  # served once the decode ran again
-        assert [d["status"] for d in got["decode"]] == [200] * n, got["decode"]
+        assert [p["status"] for p in got["prefill"][1:]] == [200] * (n - 1), got["prefill"]  # served once it ran
+        assert [d["status"] for d in got["decode"][1:]] == [200] * (n - 1), got["decode"]
+        pair.notes["aborted_mid_transfer"] = (got["prefill"][0], got["decode"][0])
     finally:
         await asyncio.to_thread(bare.stop)
     await clean(pair)
 
 
-async def test_a_decode_killed_mid_stream_ends_it_and_its_restart_is_found(pair: Pair) -> None:
-    """SIGKILL of the decode (its whole process group) mid-stream: the client gets an error event and [DONE] at once;
-    the decode started again is a new identity (restarts + 1) and serves; nothing held afterwards. Last in the tier."""
-    g = await start_gateway(config(pair))
-    try:
-        await healthy(g)
-        async with aiohttp.ClientSession() as http:
-            async with http.get(g.admin + "/v1/workers") as r:
-                before = next(w for w in (await r.json())["workers"] if w["role"] == "decode")
-            lines: list[bytes] = []
-            t_kill = 0.0
-            async with http.post(g.url + "/v1/chat/completions", json={
-                    "model": pair.model, "messages": MSG, "max_tokens": 900, "stream": True, "ignore_eos": True}) as r:
-                async for line in r.content:
-                    if line.startswith(b"data:"):
-                        lines.append(line)
-                        if len(lines) == 3:
-                            pair.decode.signal(signal.SIGKILL)
-                            t_kill = time.monotonic()
-            ended = time.monotonic() - t_kill
-            assert lines[-1].strip() == b"data: [DONE]" and b'"error"' in lines[-2], lines[-2:]
-            assert ended < 1.0 + SLACK_S, ended
-            pair.notes["decode_restart_s"] = await asyncio.to_thread(pair.decode.restart)
-            t0 = time.monotonic()
-            while True:
-                async with http.get(g.admin + "/v1/workers") as r:
-                    after = next(w for w in (await r.json())["workers"] if w["role"] == "decode")
-                if after["healthy"] and after["identity"] != before["identity"]:
-                    break
-                assert time.monotonic() - t0 < 30, after
-                await asyncio.sleep(0.5)
-            assert after["restarts"] > before["restarts"], after
-            assert after["identity"].startswith("sglang 0.5.23 profile cpu"), after
-            async with http.post(g.url + "/v1/chat/completions",
-                                 json={"model": pair.model, "messages": MSG, "max_tokens": 4}) as r:
-                assert r.status == 200, await r.text()
-    finally:
-        await g.close()
-    await clean(pair)
+# The scenarios both tiers share (tests/real/common.py), collected here in this order and run with this tier's
+# pair; the decode's kill last (it restarts the decode).
+test_a_client_that_leaves_mid_stream_and_an_operators_abort_free_both_legs = common.test_a_client_that_leaves_mid_stream_and_an_operators_abort_free_both_legs
+test_a_frozen_prefill_is_a_504_within_the_ttft_budget_and_leaves_nothing = common.test_a_frozen_prefill_is_a_504_within_the_ttft_budget_and_leaves_nothing
+test_counts_are_reconciled_drift_reads_zero_while_streams_run = common.test_counts_are_reconciled_drift_reads_zero_while_streams_run
+test_the_storms_verdict_on_the_real_pair = common.test_the_storms_verdict_on_the_real_pair
+test_a_decode_killed_mid_stream_ends_it_and_its_restart_is_found = common.test_a_decode_killed_mid_stream_ends_it_and_its_restart_is_found
