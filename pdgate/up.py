@@ -81,13 +81,13 @@ def with_agent_aliases(cfg: config.GatewayConfig, model: str) -> config.GatewayC
     return dataclasses.replace(cfg, models={**cfg.models, **aliases})
 
 
-def write_up_file(directory: Path, front: str, admin: str) -> Path:
+def write_up_file(directory: Path, front: str, admin: str, model: str | None = None) -> Path:
     """Where this ``pdgate up`` listens, beside the admin key it made (``pdgate.cli.UP_FILE``): the operator
     commands and the load tests run from the same directory find it with no flag. Removed when it stops."""
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     path = directory / UP_FILE
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"front": front, "admin": admin, "pid": os.getpid()}) + "\n")
+    tmp.write_text(json.dumps({"front": front, "admin": admin, "pid": os.getpid(), "model": model}) + "\n")
     tmp.replace(path)
     return path
 
@@ -204,7 +204,7 @@ async def run_up(cluster_path: str, config_path: str | None, host: str | None, p
             runner = await serve(app, cfg.host, cfg.port)
             admin_url = app.admin_url
         url = f"http://{cfg.host}:{cfg.port}"
-        up_file = write_up_file(admin_key_file.parent, url, admin_url)
+        up_file = write_up_file(admin_key_file.parent, url, admin_url, served_model(cluster))
         key_note = f"key in {key_file}, where the CLI finds it" if key_file else "admin key from your config"
         procs = f"; {workers} gateway processes" if workers > 1 else ""
         print(f"pdgate is up: {url}  ({len(cfg.prefill)} prefill + {len(cfg.decode)} decode workers{procs}; logs in "
