@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
-from loadtest.output import pyplot, save, verdict_command
+from loadtest.output import pyplot, save, up_model, verdict_command
 
 WORDS = "alpha beta gamma delta file line error value result test build log path query row column".split()
 
@@ -316,6 +316,8 @@ def add_parser(sub: Any) -> None:
     single = p.get_default("func")
 
     def main(a: argparse.Namespace) -> None:
+        if a.model is None:  # --compare starts sims of its own: theirs
+            a.model = up_model(None if a.compare else a.gateway)
         if a.compare:
             affinity.main(a)
         elif not a.gateway:

@@ -47,21 +47,21 @@ def verdict_exit(out: dict[str, Any]) -> None:
     raise SystemExit(0 if out["verdict"] == "PASS" else 1)
 
 
-def up_model() -> str:
-    """The model a ``pdgate up`` run from this directory serves (its up file says), else the sims' own."""
+def up_model(gateway: str | None) -> str:
+    """The model to ask for when none is given: what the ``pdgate up`` run from this directory serves (its up file
+    says) when the load test drives that very gateway, else the sims' own."""
     from pdgate.cli import started
 
     up = started()
-    model = up.get("model") if up else None
+    model = up.get("model") if up and up.get("front") == gateway else None
     return model if isinstance(model, str) and model else "sim-model"
 
 
 def verdict_command(p: argparse.ArgumentParser, name: str, run: Callable[[argparse.Namespace], Awaitable[dict[str, Any]]],
                     report: Callable[[Any, dict[str, Any]], None], plot: Callable[[dict[str, Any], Path], None]) -> None:
     """The flags and the main of a load test that ends in a verdict: run, report, write, exit 0 on PASS."""
-    p.add_argument("--model", default=up_model(),
-                   help="the model to ask for (default: the one a `pdgate up` run from this directory serves, else "
-                   "sim-model)")
+    p.add_argument("--model", help="the model to ask for (default: the one a `pdgate up` run from this directory "
+                   "serves when the test drives it, else sim-model)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--out", default=f"runs/{name}.json")
 
@@ -69,6 +69,8 @@ def verdict_command(p: argparse.ArgumentParser, name: str, run: Callable[[argpar
         import uvloop
         from rich.console import Console
 
+        if a.model is None:
+            a.model = up_model(getattr(a, "gateway", None))
         out = uvloop.run(run(a))
         report(Console(), out)
         write(out, a.out, plot)

@@ -53,8 +53,9 @@ def pinned(text: str) -> float | None:
 
 
 async def held(http: aiohttp.ClientSession, url: str) -> float | None:
-    """What a prefill holds now (``url``: its /metrics). SGLang's inflight queue as ``/v1/loads`` counts it, asked of
-    the scheduler at once: its /metrics queue gauges are set only when the scheduler logs its stats (a real decode's
+    """What a prefill holds now (``url``: its /metrics). SGLang's inflight queue as ``/v1/loads`` counts it (the
+    scheduler's published snapshot: republished when idle, every 50 ms while stalled, on batch results): its /metrics
+    queue gauges are set only when the scheduler logs its stats (a real decode's
     ``num_decode_transfer_queue_reqs`` read 0 while /v1/loads counted 4 waiting for their KV). Else (vLLM, which
     has no /v1/loads) what its /metrics say."""
     base = url.rsplit("/metrics", 1)[0]

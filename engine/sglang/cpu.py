@@ -6,10 +6,13 @@ how they were found: ``../shared/reference/real-engines-cpu.md``, docs/fidelity.
 
 - ``sgl_kernel`` (no CPU build on PyPI): on a CPU without AMX the request path calls one of its functions,
   ``assign_req_to_token_pool_cpu`` (``srt/mem_cache/allocation.py``). A stand-in module gives that one function in
-  torch; any other name raises, naming the stand-in.
+  torch; any other name resolves (imports at start do not fail) to a placeholder that raises, naming the stand-in,
+  when called. So SGLang's ``try: from sgl_kernel import ... except ImportError`` fallbacks are not taken: fine
+  for the tiny Llama served here (the real tier), untried for other models.
 - ``torchvision`` is imported at start by multimodal code a text model never runs (PyPI's wheel is CUDA-linked and
   does not import against a CPU torch). A stand-in is put in its place only when the real one cannot be imported;
-  using any of it raises.
+  calling any of it raises. (transformers then takes torchvision for available: its image paths would raise, a
+  text model does not use them.)
 - The prefill's KV send (``SchedulerDisaggregationPrefillMixin._send_kv_chunk``) pins a host copy of the page
   indices and records a CUDA event when the sender ``supports_host_tensor_indices`` (mooncake's does): with no
   driver that fails the first transfer. The indices are host tensors here already, so the mooncake sender is told
@@ -177,6 +180,9 @@ def apply(force: bool) -> list[str]:
     problems = check()
     if problems and not force:
         raise Refused("; ".join(problems))
-    sender = getattr(importlib.import_module(SENDER[0]), SENDER[1])
+    try:
+        sender = getattr(importlib.import_module(SENDER[0]), SENDER[1])
+    except (ImportError, AttributeError) as exc:  # forced past a missing sender: said, not a traceback
+        return [*problems, f"cpu profile host-indices: {SENDER[0]}.{SENDER[1]} not patched ({exc})"]
     sender.supports_host_tensor_indices = False
     return problems

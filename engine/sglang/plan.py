@@ -112,7 +112,7 @@ def command(w: dict[str, Any], exe: str | None = None, build_model: bool = True)
            "--port", str(w["port"]), "--disaggregation-mode", role,
            "--disaggregation-transfer-backend", str(w.get("transfer_backend", "nixl")),
            "--tp-size", str(w.get("tp", 1)), "--dp-size", str(w.get("dp", 1)),
-           "--enable-metrics"]  # /metrics: the inflight queue and fix C's counter, what the storm judges by
+           "--enable-metrics"]  # /metrics: fix C's counter (queue counts: /v1/loads)
     if role == "prefill":
         cmd += ["--disaggregation-bootstrap-port", str(w.get("bootstrap_port", 8998))]
     if "served_model_name" in w or not w.get("model"):

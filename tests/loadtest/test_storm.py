@@ -85,18 +85,14 @@ async def test_a_prefills_pins_are_read_from_the_schedulers_count_not_a_lagging_
 def test_a_verdicts_model_defaults_to_what_the_pdgate_up_here_serves(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """`loadtest storm --iterations 4 --instances 3` from a `pdgate up --cluster config/cluster.sglang-cpu.toml`
-    directory asks for "tiny-llama", which that cluster serves: with the sims' "sim-model" every probe was a 404."""
+    directory asks for "tiny-llama", which that cluster serves: with the sims' "sim-model" every probe was a 404. A
+    test driving another gateway from there keeps "sim-model"."""
     from loadtest.output import up_model
     from pdgate.up import write_up_file
 
     monkeypatch.delenv("PDGATE_ADMIN_KEY_FILE", raising=False)
     monkeypatch.chdir(tmp_path)
-    assert up_model() == "sim-model"  # no pdgate up here
+    assert up_model(None) == "sim-model"  # no pdgate up here
     write_up_file(tmp_path / ".pdgate", "http://127.0.0.1:1", "http://127.0.0.1:2", "tiny-llama")
-    assert up_model() == "tiny-llama"
-    parser = __import__("argparse").ArgumentParser()
-    sub = parser.add_subparsers()
-    from loadtest import storm
-
-    storm.add_parser(sub)
-    assert parser.parse_args(["storm"]).model == "tiny-llama"
+    assert up_model("http://127.0.0.1:1") == "tiny-llama"
+    assert up_model("http://127.0.0.1:9") == "sim-model"  # another gateway than the up's

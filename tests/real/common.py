@@ -109,6 +109,7 @@ async def test_a_frozen_prefill_is_a_504_within_the_ttft_budget_and_leaves_nothi
     await clean(pair)
 
 
+@pytest.mark.timeout(900)  # two probes and four rounds, each waiting up to the TTFT budget on a stalled pair
 async def test_the_storms_verdict_on_the_real_pair(pair: Pair, gw: Running, tmp_path: Any) -> None:
     """The seed's storm (4 x 3 requests cancelled at random points, or let finish) through pdgate: every client
     request terminal, the prefill's held requests back to 0 within grace, both probes fine — PASS. The client waits

@@ -38,8 +38,8 @@ START_S = 300.0  # two engines starting at once on two cores: 40-90 s measured, 
 
 
 def sglang_held(url: str) -> int:
-    """What an SGLang engine holds, as its scheduler counts it now (``/v1/loads?include=disagg``): running, waiting
-    and every PD queue. Not its /metrics gauges: those are set only when the scheduler logs its stats, and a decode's
+    """What an SGLang engine holds, as its scheduler last published it (``/v1/loads?include=disagg``; republished when
+    idle, every 50 ms while stalled, on batch results): running, waiting and every PD queue. Not its /metrics gauges: those are set only when the scheduler logs its stats, and a decode's
     transfer queue read 0 there while 4 requests waited in it for their KV."""
     with urllib.request.urlopen(url + "/v1/loads?include=disagg", timeout=20) as r:
         loads = json.loads(r.read())["loads"]
@@ -90,22 +90,26 @@ class Engine:
         os.killpg(self.proc.popen.pid, sig)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.popen is None or self.proc.popen.poll() is not None:
+        """SIGTERM to the group (SIGCONT first: a stopped one cannot exit), 20 s, then SIGKILL to whatever of the group
+        is left: also when the leader is gone already and its children are not."""
+        if self.proc is None or self.proc.popen is None:
             return
         pgid = self.proc.popen.pid
         try:
-            os.killpg(pgid, signal.SIGCONT)
-            os.killpg(pgid, signal.SIGTERM)
-            self.proc.popen.wait(20)
+            if self.proc.popen.poll() is None:
+                os.killpg(pgid, signal.SIGCONT)
+                os.killpg(pgid, signal.SIGTERM)
+                self.proc.popen.wait(20)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            pass
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            self.proc.popen.wait(10)
         except subprocess.TimeoutExpired:
             pass
-        except ProcessLookupError:
-            return
-        try:
-            os.killpg(pgid, signal.SIGKILL)  # whatever of the group is left
-        except ProcessLookupError:
-            pass
-        self.proc.popen.wait(10)
 
     def restart(self) -> float:
         self.stop()
@@ -177,8 +181,10 @@ def running(prefill: Engine, decode: Engine, **kw: Any) -> Iterator[Pair]:
             e.wait()
         yield Pair(prefill, decode, started_s=time.monotonic() - t0, **kw)
     finally:
-        for e in (prefill, decode):
-            e.stop()
+        try:
+            prefill.stop()
+        finally:
+            decode.stop()  # also when the prefill's stop failed: never two pairs at once
 
 
 def require_installed(kind: str) -> None:
@@ -235,5 +241,10 @@ async def clean(pair: Pair, within: float = CLEAN_S) -> float:
 async def run_loadtest(*args: str, timeout: float) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "loadtest", *args, cwd=ROOT,
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
-    out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    finally:
+        if proc.returncode is None:  # timed out or cancelled: the load test is ours to end
+            proc.kill()
+            await proc.wait()
     return proc.returncode or 0, out.decode(errors="replace")

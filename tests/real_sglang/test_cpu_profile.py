@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import subprocess
 
+import pytest
+
 from engine.sglang import plan
 from tests.procs import ROOT
 from tests.real.engines import require_installed
 
+pytestmark = pytest.mark.timeout(180)
 SCRIPT = r"""
 import random, torch
 from engine.sglang.cpu import assign_req_to_token_pool_cpu

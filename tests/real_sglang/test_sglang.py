@@ -87,7 +87,7 @@ async def test_a_deadline_mid_stream_ends_it_with_an_error_event_and_frees_both_
 
 
 def queue(e: Engine, name: str) -> int:
-    """One PD queue's count as the engine's scheduler gives it now (``/v1/loads``; its /metrics gauges lag)."""
+    """One PD queue's count as the engine's scheduler last published it (``/v1/loads``; its /metrics gauges lag)."""
     with urllib.request.urlopen(e.url + "/v1/loads?include=disagg", timeout=20) as r:
         return sum(int(ld["disaggregation"][name]) for ld in json.loads(r.read())["loads"])
 
@@ -96,38 +96,51 @@ def pin(prefill: Engine, decode: Engine, hold_s: float, n: int = 4, abort_at: fl
     """The seed's pin, made on purpose: n requests' decode legs first, until the decode has made room for their KV
     and told the prefill where (its transfer queue holds them); then the decode stopped (SIGSTOP), then the prefill
     legs: the prefill computes them and its transfers to the stopped decode do not end, so they sit in its real
-    inflight queue. Sampled each 0.5 s for hold_s as (seconds, inflight, force-failed), then the decode runs again.
-    A prefill leg that fails has its decode leg aborted by rid, as a router does. ``abort_at``: that many seconds
-    into the hold, the first request is aborted on the prefill (SGLang's ``/abort_request``), mid-transfer."""
+    inflight queue. Once all n are there, sampled each 0.5 s for hold_s as (seconds, inflight, force-failed); then the
+    decode runs again. A prefill leg that fails has its decode leg aborted by rid, as a router does; on any failure
+    here every leg is aborted on both engines. ``abort_at``: that many seconds into the hold, the first request is
+    aborted on the prefill (SGLang's ``/abort_request``), mid-transfer."""
     from concurrent.futures import ThreadPoolExecutor
 
     bodies = [pd_body(prefill, f"{i} {LONG}", 4) for i in range(n)]
     samples: list[tuple[float, float, float]] = []
-    aborted = False
+    aborted = done = False
     with ThreadPoolExecutor(2 * n) as pool:
-        decode_legs = [pool.submit(post, decode, "/generate", b) for b in bodies]
-        t0 = time.monotonic()
-        while queue(decode, "decode_transfer_queue_reqs") < n:  # room made, the prefill told where: waiting for KV
-            assert time.monotonic() - t0 < 30, f"the decode did not take the {n} requests"
-            time.sleep(0.05)
-        decode.signal(signal.SIGSTOP)
         try:
-            prefill_legs = [pool.submit(post, prefill, "/generate", b) for b in bodies]
+            decode_legs = [pool.submit(post, decode, "/generate", b) for b in bodies]
             t0 = time.monotonic()
-            while time.monotonic() - t0 < hold_s:
-                if abort_at is not None and not aborted and time.monotonic() - t0 >= abort_at:
-                    post(prefill, "/abort_request", {"rid": bodies[0]["rid"]})
-                    aborted = True
-                inflight = queue(prefill, "prefill_inflight_queue_reqs")
-                samples.append((time.monotonic() - t0, float(inflight), prefill.metrics().get(FORCE_FAILED, 0.0)))
-                time.sleep(0.5)
+            while queue(decode, "decode_transfer_queue_reqs") < n:  # room made, the prefill told where: waiting
+                assert time.monotonic() - t0 < 30, f"the decode did not take the {n} requests"
+                time.sleep(0.05)
+            decode.signal(signal.SIGSTOP)
+            try:
+                prefill_legs = [pool.submit(post, prefill, "/generate", b) for b in bodies]
+                t0 = time.monotonic()
+                while queue(prefill, "prefill_inflight_queue_reqs") < n:  # computed, their transfers not ending
+                    assert time.monotonic() - t0 < 30, f"the prefill did not pin the {n} requests"
+                    time.sleep(0.05)
+                t0 = time.monotonic()
+                while time.monotonic() - t0 < hold_s:
+                    if abort_at is not None and not aborted and time.monotonic() - t0 >= abort_at:
+                        post(prefill, "/abort_request", {"rid": bodies[0]["rid"]})
+                        aborted = True
+                    inflight = queue(prefill, "prefill_inflight_queue_reqs")
+                    samples.append((time.monotonic() - t0, float(inflight),
+                                    prefill.metrics().get(FORCE_FAILED, 0.0)))
+                    time.sleep(0.5)
+            finally:
+                decode.signal(signal.SIGCONT)
+            prefills = [f.result() for f in prefill_legs]
+            for i, (b, p) in enumerate(zip(bodies, prefills, strict=True)):
+                if p["status"] != 200 or (i == 0 and aborted):  # failed, or aborted on purpose
+                    post(decode, "/abort_request", {"rid": b["rid"]})
+            decodes = [f.result() for f in decode_legs]
+            done = True
         finally:
-            decode.signal(signal.SIGCONT)
-        prefills = [f.result() for f in prefill_legs]
-        for i, (b, p) in enumerate(zip(bodies, prefills, strict=True)):
-            if p["status"] != 200 or (i == 0 and aborted):  # failed, or aborted on purpose
-                post(decode, "/abort_request", {"rid": b["rid"]})
-        decodes = [f.result() for f in decode_legs]
+            if not done:  # nothing of this one may stay on the shared pair for the next tests
+                for b in bodies:
+                    for e in (prefill, decode):
+                        post(e, "/abort_request", {"rid": b["rid"]}, timeout=20)
     return {"samples": samples, "prefill": prefills, "decode": decodes}
 
 
@@ -140,7 +153,7 @@ async def test_fix_c_ends_a_real_inflight_queue_pin_while_the_decode_is_stopped(
     log_before = pair.prefill.log.read_text(errors="replace").count("inflight watchdog: force-failing")
     got = await asyncio.to_thread(pin, pair.prefill, pair.decode, WATCHDOG_S + 6, n)
     samples = got["samples"]
-    assert samples[0][1] == n or samples[1][1] == n, f"the {n} requests were not pinned: {samples}"
+    assert samples[0][1] == n, f"the {n} requests were not pinned: {samples}"
     cleared = [s for s in samples if s[1] == 0]
     assert cleared and cleared[0][0] < WATCHDOG_S + 4, f"the inflight queue did not clear while stopped: {samples}"
     assert samples[-1][2] - samples[0][2] == n, f"fix C's counter did not count them: {samples}"
@@ -166,7 +179,7 @@ async def test_without_the_fixes_the_pin_lasts_as_long_as_the_decode_is_stopped(
         assert warm["decode"]["status"] == 200, warm
         got = await asyncio.to_thread(pin, bare, pair.decode, WATCHDOG_S + 4, n, 3.0)
         samples = got["samples"]
-        before = [s for s in samples if 0.2 < s[0] < 3.0]
+        before = [s for s in samples if s[0] < 3.0]
         after = [s for s in samples if s[0] > 4.5]
         assert before and all(s[1] == n for s in before), f"{n} pinned before the abort: {samples}"
         assert after and all(s[1] == n - 1 for s in after), \
