@@ -243,7 +243,7 @@ def test_base_port_moves_everything_and_the_cli_and_storm_find_it_with_no_flag(p
     workers = get(admin + "/v1/workers", (tmp_path / ".pdgate/admin.key").read_text().strip())["workers"]
     assert sorted(w["url"] for w in workers) == [f"http://127.0.0.1:{base + p}" for p in (10, 12, 14, 16)]
     assert json.loads((tmp_path / ".pdgate/up.json").read_text()) == {"front": gw, "admin": admin,
-                                                                      "pid": up.popen.pid}
+                                                                      "pid": up.popen.pid, "model": "sim-model"}
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", *args], cwd=tmp_path, capture_output=True, text=True, timeout=60,
