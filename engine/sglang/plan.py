@@ -14,12 +14,13 @@ with SGLang's environment on first use) as ``tiny-llama``.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from engine.home import default_model, ensure_model, home
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNELS = ROOT / "config" / "kernels"
@@ -46,10 +47,6 @@ class Profile:
 INSTALL = "bash engine/sglang/install.sh"
 
 
-def home() -> Path:
-    return Path(os.environ.get("PDGATE_ENGINES_HOME") or Path.home() / ".cache" / "pdgate" / "engines")
-
-
 def python(profile: Profile | None = None) -> str:
     """The interpreter: SGLang's own environment for a profile that runs there (one-line error naming the install
     command when it is not there), else this one (a GPU image with SGLang installed)."""
@@ -59,17 +56,6 @@ def python(profile: Profile | None = None) -> str:
     if not exe.exists():
         raise FileNotFoundError(f"real SGLang is not installed ({exe} missing): run `{INSTALL}`")
     return str(exe)
-
-
-def default_model() -> Path:
-    return home() / "models" / "tiny-llama"
-
-
-def ensure_model(path: Path, exe: str) -> Path:
-    """The tiny model, built with the engine's environment the first time (``engine.model``; seconds)."""
-    if not (path / "pdgate-model.json").exists():
-        subprocess.run([exe, "-m", "engine.model", "--out", str(path)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
-    return path
 
 
 def load_profile(name: str) -> Profile:

@@ -23,18 +23,14 @@ transfers got slower, not faster). Timeouts for the pair are sized for that.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
+
+from engine.home import default_model, ensure_model, home
 
 KEYS = {"name", "engine", "kind", "role", "port", "args", "env", "model", "served_model_name", "cpu",
         "side_channel_port", "kv_space_gib", "max_model_len", "max_num_seqs", "bootstrap_port"}
 INSTALL = "bash engine/vllm/install.sh"
-
-
-def home() -> Path:
-    return Path(os.environ.get("PDGATE_ENGINES_HOME") or Path.home() / ".cache" / "pdgate" / "engines")
 
 
 def python() -> str:
@@ -43,18 +39,6 @@ def python() -> str:
     if not exe.exists():
         raise FileNotFoundError(f"real vLLM is not installed ({exe} missing): run `{INSTALL}`")
     return str(exe)
-
-
-def default_model() -> Path:
-    return home() / "models" / "tiny-llama"
-
-
-def ensure_model(path: Path) -> Path:
-    """The tiny model, built with the engine's environment the first time (``engine.model``; seconds)."""
-    if not (path / "pdgate-model.json").exists():
-        subprocess.run([python(), "-m", "engine.model", "--out", str(path)], check=True, cwd=ROOT,
-                       stdout=subprocess.DEVNULL)
-    return path
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,7 +63,7 @@ def command(w: dict[str, Any], build_model: bool = True) -> list[str]:
         raise ValueError(f"worker {w.get('name')}: role must be prefill or decode")
     model = Path(w["model"]) if w.get("model") else default_model()
     if build_model and not w.get("model"):
-        ensure_model(model)
+        ensure_model(model, python())
     kv = {"kv_connector": "NixlConnector", "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
           "kv_buffer_device": "cpu"}
     return [python(), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
