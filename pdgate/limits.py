@@ -21,9 +21,11 @@ Vegas and Netflix's gradient limiters:
   loop's recent lag (or ``slack_s``, the larger: a sub-millisecond baseline is noise) is not the engine's and cuts
   nothing (``held`` says so where it was the lag);
 - **every ``update_s``**: latency above the target beyond that allowance, or the engine's queue above
-  ``queue_allowance``, cuts the limit at once by the gradient (target / latency, at least halved, at most by
-  10%); with neither, new samples and the limit binding (a request waited for this worker since the last
-  update), it grows by a tenth (at least ``probe_step``); otherwise it holds;
+  ``queue_allowance`` on ``queue_probes`` probes in a row (a burst's queue that the next check finds drained is
+  not overload), cuts the limit at once by the gradient (target / latency, at least halved, at most by 10%); with
+  neither, new samples and the limit binding (a request waited for this worker since the last update), it grows
+  by a tenth (at least ``probe_step``); an engine that answered nothing within ``window_s`` grows so on each probe
+  that finds its queue clear while the limit binds; otherwise it holds;
 - **slow start**, from ``initial`` until the first cut: every answer that shows no queueing (within
   ``start_tolerance`` of the baseline, plus the allowance) while the limit binds adds one at once, TCP's slow
   start (a doubling a round trip): a fast engine is not held back for long, and a serialised one is not sent
@@ -50,7 +52,10 @@ class LimitRules:
     min_tolerance: float = 1.5  # ... unless that is below this many times the baseline (a slow engine may queue a little)
     probe_step: float = 0.25  # the least it grows by past slow start: a limit of 2 takes 4 healthy updates to reach 3
     # (at +1 a small limit jumps by half, queues in the engine, is cut, and the queue's estimates swing with it)
-    queue_allowance: int = 2  # the engine's own compute queue may hold this many before the limit is cut
+    queue_allowance: int = 2  # the engine's own compute queue may hold this many before the limit is cut ...
+    queue_probes: int = 2  # ... on this many probes in a row (a burst's queue, drained by the next check, is no
+    # overload: a prefill that serialises showed 3 waiting right after a doubling sent it 4, and the cut, on an
+    # engine that answered nothing, was never grown back: 30 streams did not all start within 20 s in CI)
     window_s: float = 10.0  # the baseline is the least latency within this window
     update_s: float = 0.5  # the limit moves at most this often
     lag_factor: float = 4.0  # a latency sample spans a few turns of the gateway's loop: this many times its lag
@@ -96,6 +101,7 @@ class Limiter:
     baseline: float | None = None  # seconds: the least latency in the window
     latency: float | None = None  # seconds: the median of the last update's samples
     waiting: int | None = None  # the engine's compute queue, as last probed
+    over: int = 0  # probes in a row that found it above ``queue_allowance``
     slow_start: bool = True
     binding: bool = False  # since the last update, the limit held a request back
     bound_at: float = -math.inf  # when it last did
@@ -150,6 +156,7 @@ class Limiter:
     def queue(self, waiting: int | None, now: float, engine_max: int | None) -> Move | None:
         """The engine's compute queue for the worker's role, as probed (None: it says none)."""
         self.waiting, self._fresh = waiting, True
+        self.over = self.over + 1 if waiting is not None and waiting > self.rules.queue_allowance else 0
         return self.update(now, engine_max)
 
     def held_back(self, now: float, engine_max: int | None) -> Move | None:
@@ -199,7 +206,8 @@ class Limiter:
         if self.limit > top:  # the engine or the operator lowered its maximum
             self.limit = top
         target, lat = self.target(), self.latency if fresh else None
-        queued = self._fresh and self.waiting is not None and self.waiting > r.queue_allowance
+        queued = self._fresh and self.over >= r.queue_probes
+        clear = self._fresh and self.waiting is not None and not self.over
         slow = target is not None and lat is not None and lat > target
         if self.host is not None:
             self.lag = self.host.recent(now)
@@ -222,6 +230,11 @@ class Limiter:
         if not self.slow_start and self.binding and fresh:  # it grows on evidence
             self.limit = min(top, self.limit + max(self.rules.probe_step, self.limit / 10))
             return "engine keeps up and requests waited for it"
+        if not self.slow_start and self.binding and clear and not self.measured(now):
+            # it answers nothing lately (a prefill held until its decode is done): its own queue is the evidence
+            self.limit = min(top, self.limit + max(self.rules.probe_step, self.limit / 10))
+            self._fresh = False  # one probe, one step
+            return "engine queue clear, nothing answered lately, and requests waited for it"
         if (self.slow_start and self.binding and self.baseline is None and self.first_bound_at is not None
                 and now - self.first_bound_at >= 2 * r.update_s):  # no answer yet, requests wait: it answers late
             self.limit = min(top, 2 * self.limit)

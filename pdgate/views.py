@@ -128,9 +128,10 @@ def learned_line(lv: dict[str, Any]) -> str:
     if lv.get("baseline_ms") is None and not moves:
         return "learned, nothing measured yet"
     last = history[-1]["why"] if history else ""
-    signal = next((name for prefix, name in (("engine latency", "engine latency"), ("engine queue", "engine queue"),
-                                            ("engine keeps up", "grew: engine keeps up"),
-                                            ("no answer yet", "grew: no answer yet")) if last.startswith(prefix)), "")
+    signals = (("engine latency", "engine latency"), ("engine queue clear", "grew: engine queue clear"),
+               ("engine queue", "engine queue"), ("engine keeps up", "grew: engine keeps up"),
+               ("no answer yet", "grew: no answer yet"))
+    signal = next((name for prefix, name in signals if last.startswith(prefix)), "")
     return (f"{lv.get('baseline_ms')}/{lv.get('latency_ms')}/{lv.get('target_ms')}"
             + (f" q={lv['engine_waiting']}" if lv.get("engine_waiting") is not None else "")
             + (f" lag={lv['loop_lag_ms']}" if lv.get("loop_lag_ms") is not None else "")

@@ -62,11 +62,56 @@ def test_it_cuts_on_the_engines_own_queue_and_only_once_per_probe() -> None:
     t = drive(lim, 0.0, 0.1, steps=3)
     before = lim.value(1024)
     lim.queue(40, t + 1, 1024)
+    assert lim.value(1024) == before, "one probe's queue may be a burst the engine drains"
+    lim.queue(40, t + 3, 1024)  # the next check: still there
     cut = lim.value(1024)
     assert cut < before
-    for k in range(2, 6):  # no new probe: the same figure does not cut again
+    for k in range(4, 8):  # no new probe: the same figure does not cut again
         lim.update(t + k, 1024)
     assert lim.value(1024) == cut
+    lim.queue(40, t + 9, 1024)  # a third probe, still queued: cut again
+    assert lim.value(1024) < cut
+
+
+@pytest.mark.parametrize("probes", [2, 1])
+def test_a_burst_the_engine_drains_by_the_next_check_cuts_nothing(probes: int) -> None:
+    """CI's sequence (test_reconcile's 30 pinned streams): a prefill that serialises and answers nothing (held until
+    its decode is done), limit 4, requests waiting: doubled to 8 after 1 s; the next check caught 3 of those 4 new
+    ones still queued, the next found its queue empty. One probe's queue is a burst, not overload: the limit keeps
+    doubling. ``probes=1`` (the mechanism off): cut to 6 at the burst, and the 30 streams never all started."""
+    lim = Limiter(dataclasses.replace(RULES, initial=4, queue_probes=probes))
+    for k in range(3):
+        lim.held_back(0.5 * k, 1024)
+    assert lim.value(1024) == 8
+    lim.queue(3, 1.5, 1024)  # the burst the doubling sent, caught by a check
+    lim.held_back(2.0, 1024)
+    lim.queue(0, 3.5, 1024)  # drained by the next check
+    lim.held_back(4.0, 1024)
+    if probes == 2:
+        assert lim.value(1024) == 32 and lim.slow_start, lim.view(1024)
+    else:
+        assert lim.value(1024) == 6 and not lim.slow_start, lim.view(1024)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_limit_on_an_engine_that_answers_nothing_grows_back_on_its_clear_queue(on: bool) -> None:
+    """Cut on a queue that persisted, on an engine that answers nothing lately (no latency sample can say it keeps
+    up): each later probe that finds its queue clear while requests wait grows it by a tenth. ``on=False`` (no
+    window without samples, so the mechanism never applies): the cut stays, whatever the engine's queue says."""
+    lim = Limiter(dataclasses.replace(RULES, initial=8, window_s=10.0 if on else math.inf))
+    if not on:
+        lim.sample(0.01, 60.0, -1e9, 1024)  # an answer long ago: with an endless window it always counts
+    lim.queue(5, 0.0, 1024)
+    lim.queue(5, 2.0, 1024)
+    cut = lim.value(1024)
+    assert cut < 8 and not lim.slow_start
+    for k in range(2, 12):
+        lim.held_back(2.0 * k - 0.1, 1024)
+        lim.queue(0, 2.0 * k, 1024)
+    if on:
+        assert lim.value(1024) >= 12 and "queue clear" in lim.history[-1][2], lim.view(1024)
+    else:
+        assert lim.value(1024) == cut, lim.view(1024)
 
 
 def test_it_grows_only_when_something_waited_for_it() -> None:
