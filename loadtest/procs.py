@@ -144,8 +144,8 @@ class Stack:
         self.tmp = tmp
         self.procs: list[Proc] = []
 
-    def spawn(self, name: str, args: list[str]) -> Proc:
-        p = Proc(args, {}, self.tmp / f"{name}.log").start()
+    def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        p = Proc(args, env or {}, self.tmp / f"{name}.log").start()
         self.procs.append(p)
         return p
 

@@ -138,6 +138,13 @@ async def find_prefills(http: aiohttp.ClientSession, admin: str, headers: dict[s
 
 
 async def run(a: argparse.Namespace) -> dict[str, Any]:
+    if getattr(a, "compare", False):
+        from loadtest import stormcompare
+
+        return await stormcompare.compare(a)
+    if not a.gateway:
+        raise SystemExit("loadtest storm: --gateway URL is needed (no `pdgate up` runs from this directory), "
+                         "or --compare to start its own engines and gateways")
     console = Console(stderr=True)
     rng = random.Random(a.seed)
     async with aiohttp.ClientSession() as http:
@@ -225,6 +232,11 @@ def short_url(u: str) -> str:
 
 
 def report(console: Console, out: dict[str, Any]) -> None:
+    if out.get("compare"):
+        from loadtest import stormcompare
+
+        stormcompare.report(console, out)
+        return
     t = Table(title=f"storm verdict: {out['verdict']}")
     t.add_column("check")
     t.add_column("result")
@@ -242,6 +254,11 @@ def report(console: Console, out: dict[str, Any]) -> None:
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
+    if out.get("compare"):
+        from loadtest import stormcompare
+
+        stormcompare.plot(out, path)
+        return
     plt = pyplot(path)
     if plt is None:
         return
@@ -268,8 +285,15 @@ def plot(out: dict[str, Any], path: Path) -> None:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("storm", help="the seed's verification protocol: baseline, abort storm, monitor, verdict")
     up = started()  # a `pdgate up` run from this directory: found with no flag
-    p.add_argument("--gateway", default=up["front"] if up else None, required=up is None,
+    p.add_argument("--gateway", default=up["front"] if up else None,
                    help="the gateway's front door (default: where a `pdgate up` run from this directory listens)")
+    p.add_argument("--compare", action="store_true",
+                   help="start fresh sims that pin (no engine fixes, KV acks dropped, first aborts lost) for each run "
+                   "and storm them through pdgate, sglang-router and SMG 1.13 on their defaults, alternating, with the "
+                   "machine's load beside each run (loadtest/stormcompare.py); the verdict is pdgate's")
+    p.add_argument("--targets", nargs="+", choices=("pdgate", "sglang-router", "smg"),
+                   default=["pdgate", "sglang-router", "smg"], help="with --compare: the gateways, in the first order")
+    p.add_argument("--repeats", type=int, default=1, help="with --compare: runs per target (the order rotates)")
     p.add_argument("--admin", default=admin_default()[0],
                    help="the gateway's admin plane (workers, restart; env PDGATE_ADMIN_URL, else the `pdgate up` "
                    "run from this directory)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -96,3 +98,36 @@ def test_a_verdicts_model_defaults_to_what_the_pdgate_up_here_serves(tmp_path: P
     write_up_file(tmp_path / ".pdgate", "http://127.0.0.1:1", "http://127.0.0.1:2", "tiny-llama")
     assert up_model("http://127.0.0.1:1") == "tiny-llama"
     assert up_model("http://127.0.0.1:9") == "sim-model"  # another gateway than the up's
+
+
+@pytest.mark.timeout(240)  # three storms of ~20 s, each on fresh sims and a fresh gateway
+async def test_the_storm_compared_pdgate_clears_the_pins_the_routers_leave(tmp_path: Path) -> None:
+    """``loadtest storm --compare``: fresh pinning sims for each run (no engine fixes, every KV ack dropped, the first
+    abort of each request lost), the same storm through pdgate, sglang-router and SMG 1.13 on their defaults. pdgate's
+    aborts and reconciliation clear the pins within watchdog + grace; the routers abort nothing and the pins stay.
+    Each run carries the machine's load; the verdict (exit status) is pdgate's."""
+    import asyncio
+
+    out = tmp_path / "compare.json"
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "loadtest", "storm", "--compare", "--iterations", "2", "--instances", "3", "--watchdog", "2",
+        "--grace", "3", "--window", "7", "--request-timeout", "6", "--probe-timeout", "4", "--out", str(out),
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+    try:
+        stdout, _ = await asyncio.wait_for(proc.communicate(), 220)
+    finally:  # timed out or failed: its sims and gateways go with it (its own process group)
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+    text = stdout.decode(errors="replace")[-4000:]
+    report = json.loads(out.read_text())
+    runs = {r["target"]: r for r in report["runs"]}
+    assert [r["target"] for r in report["runs"]] == ["pdgate", "sglang-router", "smg"], text  # one storm each
+    assert runs["pdgate"]["verdict"] == "PASS" and runs["pdgate"]["pins_left"] == 0, (runs["pdgate"]["checks"], text)
+    for peer in ("sglang-router", "smg"):
+        assert runs[peer]["pins_cleared"] is False and runs[peer]["pins_left"] > 0, (peer, runs[peer]["checks"])
+    for r in report["runs"]:
+        assert r["pins_peak"] > 0, "every target's storm pinned requests on its prefill at first"
+        assert len(r["load_before"]) == 3 and 0 <= r["others_cpu_share"] and isinstance(r["busy"], bool)
+    assert proc.returncode == 0 and report["verdict"] == "PASS", text
+    assert out.with_suffix(".png").exists()
