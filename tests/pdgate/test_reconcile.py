@@ -269,6 +269,7 @@ async def test_a_restarted_gateway_aborts_what_its_killed_predecessor_left_pinne
                    + workers_toml(sims[:2], sims[2:]))
     a, url, _ = serve_gateway(procs, cfg, "gateway-a")
     pinned = await streams_then_kill(http, url, a, 30, sims)
+    pinned_prefills = await engine_held(http, [s for s in sims if s.role == "prefill"])
     assert pinned >= 20, f"the fixes off, most of the 30 stay pinned: {pinned}"
     started = time.monotonic()
     b, _, admin = serve_gateway(procs, cfg, "gateway-b")
@@ -282,7 +283,9 @@ async def test_a_restarted_gateway_aborts_what_its_killed_predecessor_left_pinne
         ws = (await r.json())["workers"]
     reaped = {w["id"]: w["reaped"] for w in ws if w["reaped"]}
     assert reaped and all(len(v) == 1 for v in reaped.values()), reaped
-    assert sum(n for w in ws if w["role"] == "prefill" for n in w["reaped"].values()) >= pinned
+    # the prefills' pins end only by the successor's aborts (each first abort is lost); what the decodes still held
+    # when ``pinned`` was read (a loaded CI box: 5 of 30, their clients' disconnects not yet seen) they end themselves
+    assert sum(n for w in ws if w["role"] == "prefill" for n in w["reaped"].values()) >= pinned_prefills
     left = sorted(p.name for p in (tmp_path / "state" / "instances").iterdir())
     assert len(left) == 1, f"the predecessor's record is gone, the successor's is there: {left}"
     b.stop(signal.SIGTERM)
