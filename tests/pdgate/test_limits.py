@@ -288,3 +288,10 @@ def test_workers_wide_says_which_signal_moved_a_limit_and_the_loops_lag() -> Non
     late.held_back(0.0, 1024)
     late.held_back(1.1, 1024)
     assert "(last: grew: no answer yet)" in learned_line(late.view(1024))
+    quiet = Limiter(dataclasses.replace(RULES, initial=16))  # answers nothing; cut on its queue, then clear
+    quiet.queue(5, 0.0, 1024)
+    quiet.queue(5, 2.0, 1024)
+    assert "(last: engine queue)" in learned_line(quiet.view(1024))
+    quiet.queue(0, 4.0, 1024)
+    quiet.held_back(4.6, 1024)
+    assert "(last: grew: engine queue clear)" in learned_line(quiet.view(1024)), learned_line(quiet.view(1024))
