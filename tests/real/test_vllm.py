@@ -8,6 +8,7 @@ cores, whose NIXL progress threads poll without sleeping (docs/fidelity.md)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from typing import Any
@@ -158,8 +159,8 @@ async def test_a_deadline_mid_stream_ends_it_with_an_error_event_and_frees_both_
                     if r.status == 504 and budget == "total":  # the pair stalled before the stream began
                         body = await r.json()
                         took = time.monotonic() - t0
-                        assert "total" in body["error"]["message"] and took < limit + SLACK_S, (
-                            body, took, await late(gw, http, r.headers.get("x-request-id", ""), t0))
+                        assert "total" in body["error"]["message"] and took < limit + SLACK_S, json.dumps(
+                            [body, took, await late(gw, http, r.headers.get("x-request-id", ""), t0)], default=str)
                         await clean(pair)
                         continue
                     assert r.status == 200, await r.text()
@@ -181,7 +182,7 @@ async def test_a_deadline_mid_stream_ends_it_with_an_error_event_and_frees_both_
     assert budget.encode() in events[-2], events[-2]
     if took >= limit + SLACK_S:
         async with aiohttp.ClientSession() as http:
-            raise AssertionError((took, await late(gw, http, rid, t0)))
+            raise AssertionError(json.dumps([took, await late(gw, http, rid, t0)], default=str))
     await clean(pair)
 
 
