@@ -16,9 +16,9 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from h1lite.client import ClientResponse
 from pdgate.config import GatewayConfig
 from pdgate.scope import Tasks
+from pdgate.upstream import Answer
 
 if TYPE_CHECKING:
     from pdgate.observe import Observers
@@ -38,7 +38,7 @@ class Aborts:
     def __init__(self, cfg: GatewayConfig, obs: Observers, tasks: Tasks, clock: Callable[[], float]) -> None:
         self.cfg, self.obs, self.tasks, self.clock = cfg, obs, tasks, clock
 
-    def legs(self, att: Attempt, pw: Worker, dw: Worker, decode: ClientResponse | None,
+    def legs(self, att: Attempt, pw: Worker, dw: Worker, decode: Answer | None,
              prefill: asyncio.Task[bytes] | None) -> None:
         """Both legs of ``att``, which ended early. ``decode``: its decode's answer, still open (kept open until
         a deferred abort is sent); ``prefill``: its prefill leg, still running (the same)."""
@@ -57,13 +57,13 @@ class Aborts:
             self.tasks.spawn(self._repeated(att, w, () if answered else self.cfg.abort_repeat_s))
 
     @staticmethod
-    def _let_go(decode: ClientResponse | None, prefill: asyncio.Task[bytes] | None) -> None:
+    def _let_go(decode: Answer | None, prefill: asyncio.Task[bytes] | None) -> None:
         if decode is not None:
             decode.release()
         if prefill is not None:
             prefill.cancel()
 
-    async def _deferred(self, att: Attempt, dw: Worker, decode: ClientResponse | None,
+    async def _deferred(self, att: Attempt, dw: Worker, decode: Answer | None,
                         prefill: asyncio.Task[bytes] | None) -> None:
         wait_s = self.cfg.abort_defer_s
         att.event(self.clock(), "abort_deferred", f"decode {dw.id}: until its KV transfer is over (at most {wait_s:g}s)")

@@ -15,11 +15,13 @@ from typing import Any
 
 from pdgate import auth, otel, policies
 from pdgate.aborts import Aborts
-from pdgate.admission import Admission, Gate
+from pdgate.admission import Admission
 from pdgate.attempt import Attempts
 from pdgate.config import AdmissionConfig, ConfigError, GatewayConfig, policy_names
 from pdgate.engines.kinds import Engines, Factory
+from pdgate.gate import Gate
 from pdgate.health import Health
+from pdgate.legs import Legs
 from pdgate.limits import LimitRules
 from pdgate.messages_api import MessagesRoute
 from pdgate.metrics import Metrics, policy_families, worker_families
@@ -32,7 +34,7 @@ from pdgate.routing import Routing
 from pdgate.scope import Tasks
 from pdgate.store import kinds as store_kinds
 from pdgate.traces import Traces
-from pdgate.upstream import Upstream
+from pdgate.upstream import Transport, Upstream
 from pdgate.workers import CONN_HEADROOM, UNKNOWN_MAX, Pool, State, Worker
 
 log = logging.getLogger("pdgate")
@@ -50,13 +52,13 @@ def limit_rules(a: AdmissionConfig) -> dict[str, LimitRules] | None:
 
 class Gateway:
     def __init__(self, cfg: GatewayConfig, engines: dict[str, Factory] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, transport: Transport | None = None) -> None:
         self.cfg = c = cfg
         self.clock = clock  # every part's (a test gives its own to let a minute pass)
         self.instance = cfg.instance_id or secrets.token_hex(4)
         self.upstream = Upstream(c.connect_timeout_s, c.abort_timeout_s, c.upstream_idle_s,
                                  c.upstream_max_conns or UNKNOWN_MAX + CONN_HEADROOM,
-                                 c.upstream_max_idle, c.max_upstream_body_bytes, c.worker_api_key)
+                                 c.upstream_max_idle, c.max_upstream_body_bytes, c.worker_api_key, transport)
         self.engines = Engines(self.upstream, engines)
         self.pool = Pool(cfg.breaker, self.engines, frozenset(cfg.models), (self._on_worker,), cfg.admission.capacity,
                          limit_rules(cfg.admission))
@@ -70,15 +72,15 @@ class Gateway:
         self.store = store_kinds.make(cfg.store)  # what several gateway processes share (or this one alone)
         self.routing = Routing(self.pool, policies.make(pname, cfg.routing, self.store.shared),
                                policies.make(dname, cfg.routing, self.store.shared))
-        self.gate = Gate(cfg.admission, self.routing, self.store, self.metrics, self.clock)  # pairs with room, or the queue
+        self.gate = Gate(cfg.admission, self.routing, self.store, self.obs, self.clock)  # pairs with room, or the queue
         self.obs.watch(self.gate.on_transition)
         self.tasks = Tasks()
         self.health = Health(cfg.health, self.pool, self.gate.pump, self.clock, self._probed)
         self.tenants = auth.tenants(cfg.keys, cfg.deadlines)  # None: an open front door
         self.admins = auth.admins(cfg.admin_keys)  # None: an open admin plane (loopback only)
         aborts = Aborts(cfg, self.obs, self.tasks, self.clock)
-        attempts = Attempts(cfg, self.gate, self.routing, self.upstream, self.obs, aborts, self.tasks,
-                            self.health.kick, self.clock)
+        legs = Legs(cfg, self.gate, self.upstream, self.obs, aborts, self.tasks, self.health.kick, self.clock)
+        attempts = Attempts(cfg.max_attempts, self.gate, legs, self.obs, self.clock)
         self.pipeline = Pipeline(Admission(cfg, self.pool, Ids(self.instance), self.clock), attempts,
                                  Outcomes(self.obs, self.store, self.clock), self.obs, cfg.routing.session_header,
                                  self.clock)
@@ -101,7 +103,7 @@ class Gateway:
 
     def _probed(self, w: Worker) -> None:
         """A health check passed: its connections follow what it can run now (never below its limit)."""
-        self.upstream.room(w.url, max(self.cfg.upstream_max_conns, w.conns()))
+        self.upstream.conns(w.url, max(self.cfg.upstream_max_conns, w.conns()))
 
     def _on_worker(self, w: Worker, frm: State, to: State, cause: str) -> None:
         """What follows a worker's move, in one place: its live requests failed over at once when it goes

@@ -71,7 +71,7 @@ class Otel:
         span = self.tracer.start_span(f"attempt {att.n}", context=self._in_context(parent), kind=self._kind.INTERNAL,
                                       start_time=self._ns(rec, now))
         span.set_attributes({"pdgate.attempt": att.n, "pdgate.rid": att.rid, "pdgate.prefill": att.prefill,
-                             "pdgate.decode": att.decode, "pdgate.bootstrap_room": att.room})
+                             "pdgate.decode": att.decode})
         return span
 
     def traceparent(self, span: Span) -> dict[str, str]:
@@ -81,6 +81,7 @@ class Otel:
 
     def end_attempt(self, span: Span, rec: Record, att: Attempt, now: float) -> None:
         Status, StatusCode = self._status
+        span.set_attributes({f"pdgate.{k}": v for k, v in att.engine.items()})  # what its adapter drew (SGLang's room)
         sent = next((t for t, name, _ in att.events if name == "sent"), None)
         for t, name, info in att.events:
             span.add_event(name, {"info": str(info)} if info is not None else {}, timestamp=self._ns(rec, t))

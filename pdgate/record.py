@@ -64,7 +64,7 @@ class Attempt:
     rid: str
     prefill: str
     decode: str
-    room: int
+    engine: dict[str, Any] = field(default_factory=dict)  # what its engine adapter drew for it (SGLang's room), shown
     # (time, name, info) — kept as tuples: cheap on the hot path, shaped for traces on demand
     events: list[tuple[float, str, Any]] = field(default_factory=list)
     error: str | None = None

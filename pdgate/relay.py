@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from h1lite.client import ClientResponse
 from pdgate.errors import UpstreamError, UpstreamStatus, detail_of
 from pdgate.record import Observer, first_token
+from pdgate.upstream import Answer
 from pdgate.workers import State
 
 DEGRADED = State.DEGRADED
@@ -124,7 +124,7 @@ class Framer:
 class Relay:
     __slots__ = ("att", "clock", "ctx", "framer", "transitions", "upstream", "w")
 
-    def __init__(self, ctx: Ctx, att: Attempt, w: Worker, upstream: ClientResponse, clock: Callable[[], float],
+    def __init__(self, ctx: Ctx, att: Attempt, w: Worker, upstream: Answer, clock: Callable[[], float],
                  transitions: tuple[Observer, ...]) -> None:
         self.ctx, self.att, self.w, self.upstream = ctx, att, w, upstream
         self.framer = Framer(w.engine.done_event, w.engine.error_event)
@@ -170,7 +170,7 @@ class Relay:
             out.on_writable(self.upstream.resume)
 
 
-async def relay_stream(ctx: Ctx, att: Attempt, w: Worker, resp: ClientResponse, clock: Callable[[], float],
+async def relay_stream(ctx: Ctx, att: Attempt, w: Worker, resp: Answer, clock: Callable[[], float],
                        transitions: tuple[Observer, ...]) -> None:
     """Relay decode's SSE events as they come; when the client's socket is full, reading from the
     decode pauses until it drains. A stream that ends before ``[DONE]`` is a failed leg."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 from dataclasses import dataclass
 
 PATTERN = re.compile(r"pdg-([0-9a-f]{1,16})-([0-9a-f]{8})([0-9a-f]{16})(?:\.([1-9]))?")
@@ -21,6 +20,8 @@ MAX_ATTEMPT = 9  # config's max_attempts bound: one digit keeps every attempt's 
 
 @dataclass(frozen=True, slots=True)
 class Rid:
+    """An id read back (``parse``); made only by ``Ids.new`` (a request's) and ``attempt_rid`` (an attempt's)."""
+
     instance: str
     seq: int
     rand: int
@@ -33,10 +34,6 @@ class Rid:
     @property
     def request(self) -> Rid:
         return Rid(self.instance, self.seq, self.rand)
-
-    @classmethod
-    def new(cls, instance: str, seq: int) -> Rid:
-        return cls(instance, seq & 0xFFFFFFFF, secrets.randbits(64))
 
     @classmethod
     def parse(cls, text: str) -> Rid | None:

@@ -13,9 +13,9 @@ class Routing:
     def __init__(self, pool: Pool, prefill: Policy, decode: Policy) -> None:
         self.pool, self.prefill, self.decode = pool, prefill, decode
 
-    def pick(self, avoid: frozenset[int], view: RequestView, now: float, room: bool = True) -> Pair | None:
-        """A pair by the policies among available workers (``room``: only those below their limit)."""
-        among = self.pool.with_room if room else self.pool.available
+    def pick(self, avoid: frozenset[int], view: RequestView, now: float, limited: bool = True) -> Pair | None:
+        """A pair by the policies among available workers (``limited``: only those below their limit)."""
+        among = self.pool.with_room if limited else self.pool.available
         same = same_kind if self.pool.mixed else None  # pools of two kinds: a decode of the prefill's kind
         return select_pair(among("prefill", now), among("decode", now), self.prefill, self.decode, avoid, view, same)
 

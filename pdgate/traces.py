@@ -135,7 +135,7 @@ def full(rec: Record, now: float, engine: dict[str, Any] | None = None) -> dict[
         "tokens": {"prompt": rec.prompt_tokens, "cached": rec.cached_tokens, "completion": rec.completion_tokens,
                    "chunks": rec.chunks},
         "attempts": [
-            {"n": a.n, "rid": a.rid, "prefill": a.prefill, "decode": a.decode, "bootstrap_room": a.room,
+            {"n": a.n, "rid": a.rid, "prefill": a.prefill, "decode": a.decode, **a.engine,
              "error": a.error, "events": [{"t": _rel(t, base), "event": name, **({"info": info} if info is not None else {})}
                                           for t, name, info in a.events]}
             for a in rec.attempts

@@ -1,17 +1,22 @@
 """The transport to the engines: pooled keep-alive connections (``h1lite.client``), the legs' POSTs, small
 bounded calls (probes, aborts). What is said over it is the engine adapter's (``pdgate.engines``).
 
+The seam is ``Transport``, what h1lite's ``Client`` is: the default, and what a test replaces with one in memory
+to drive the whole request path without a socket (as httpx's ``MockTransport``). A future gRPC or ZMQ engine is an
+adapter and a transport.
+
 Upstream client errors are wrapped once, here, into ``pdgate.errors``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import orjson
 
-from h1lite.client import BodyTooLarge, Client, ClientResponse, ConnectFailed, header_lines
+from h1lite.client import BodyTooLarge, Client, ConnectFailed, header_lines
 from pdgate.errors import LoopLate as LoopLate
 from pdgate.errors import UpstreamConnectError, UpstreamError
 
@@ -27,14 +32,40 @@ def split_url(url: str) -> tuple[str, str]:
     return (url, "/") if i < 0 else (url[:i], url[i:])
 
 
+class Answer(Protocol):
+    """An answer whose head came (h1lite's ``ClientResponse``): read whole, or piped to a sink as it comes (the
+    sink's exception ends it); released when done with."""
+
+    status: int
+    complete: bool
+    async def read(self) -> bytes: ...
+    async def pipe(self, sink: Callable[[bytes], None]) -> None: ...
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def release(self) -> None: ...
+
+
+class Transport(Protocol):
+    """What carries every call to the engines (module docstring; h1lite's ``Client``)."""
+
+    stale_retries: int
+    async def request(self, base: str, method: str, target: str, body: bytes = b"", content_type: bytes = ...,
+                      headers: dict[str, str] | bytes | None = None) -> Answer: ...
+    async def fetch(self, base: str, method: str, target: str, body: bytes = b"", content_type: bytes = ...,
+                    headers: dict[str, str] | bytes | None = None, limit: int | None = None) -> tuple[int, bytes]: ...
+    def limit(self, base: str, max_open: int) -> None: ...
+    def drop(self, base: str) -> None: ...
+    def close(self) -> None: ...
+
+
 class Upstream:
     """The transport to the engines. Every call that is not a stream has a bound: legs by the request's
     deadlines, the rest by its own timeout; every answer read whole by a size limit."""
 
     def __init__(self, connect_timeout_s: float, abort_timeout_s: float, idle_s: float = 4.0,
                  max_open: int = 1024, max_idle: int = 256, max_body: int = 64 << 20,
-                 api_key: str | None = None) -> None:
-        self.client = Client(connect_timeout_s, idle_s, max_open, max_idle, max_body)
+                 api_key: str | None = None, transport: Transport | None = None) -> None:
+        self.client: Transport = transport or Client(connect_timeout_s, idle_s, max_open, max_idle, max_body)
         self.abort_timeout_s = abort_timeout_s
         # engines started with --api-key want it on every call (encoded once, checked once)
         self.auth = header_lines({"Authorization": f"Bearer {api_key}"}) if api_key else b""
@@ -42,11 +73,11 @@ class Upstream:
     async def close(self) -> None:
         self.client.close()
 
-    def room(self, url: str, n: int) -> None:
+    def conns(self, url: str, n: int) -> None:
         """At most ``n`` open connections to the engine at ``url`` (its capacity and headroom)."""
         self.client.limit(split_url(url)[0], n)
 
-    async def open(self, base: str, path: str, data: bytes, headers: bytes = b"") -> ClientResponse:
+    async def open(self, base: str, path: str, data: bytes, headers: bytes = b"") -> Answer:
         """POST; returns once the status line and headers are in (a streamed answer). The caller releases it.
         ``headers``: encoded header lines (``h1lite.client.header_lines``)."""
         return await self.client.request(base, "POST", path, data, headers=self.auth + headers)

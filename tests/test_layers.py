@@ -4,9 +4,11 @@ constants; pdgate's own modules form layers without a circle."""
 from __future__ import annotations
 
 import ast
+import io
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -38,7 +40,7 @@ LAYERS = """
 errors protocol record rid scope queueing limits views config validation policies responses anthropic store.base auth store.embedded store.redis
 store.kinds store deadlines metrics access_log otel traces
 upstream lineage engines.base engines engines.sglang engines.vllm engines.kinds workers routing
-context observe relay aborts admission attempt outcome proxy responses_api messages_api
+context observe relay aborts admission gate legs attempt outcome proxy responses_api messages_api
 health reconcile gateway multi control dashboard admin peers server up cli __main__ __init__
 """.split()
 
@@ -85,10 +87,31 @@ def test_the_layer_check_finds_a_circle() -> None:
     assert upward(graph, ["record", "proxy", "attempt"]) == ["proxy -> attempt"]
 
 
+# what only an engine adapter knows: SGLang's bootstrap room and host, vLLM's KV transfer parameters (a worker's
+# bootstrap_port stays: the operator declares it with the worker, and /v1/workers shows it)
+ENGINE_NAMES = re.compile(r"room|bootstrap_room|bootstrap_host|kv_transfer_params|kv_params")
+REQUEST_PATH = ("context", "relay", "aborts", "admission", "gate", "legs", "attempt", "outcome", "proxy", "health",
+                "reconcile", "routing", "observe", "upstream", "workers", "record", "traces", "otel")
+
+
+def engine_ideas(text: str) -> list[str]:
+    """The names in ``text``'s code (not its prose: a docstring's "a pair with room" is English) that are an
+    engine adapter's."""
+    toks = tokenize.generate_tokens(io.StringIO(text).readline)
+    return [t.string for t in toks if t.type == tokenize.NAME and ENGINE_NAMES.fullmatch(t.string)]
+
+
 def test_only_the_engine_adapter_names_sglang_on_the_request_path() -> None:
     """The request path, health and reconciliation reach engines through their adapter alone."""
-    for name in ("context", "relay", "aborts", "admission", "attempt", "outcome", "proxy", "health", "reconcile",
-                 "routing", "observe", "upstream", "workers"):
+    for name in REQUEST_PATH:
         text = (ROOT / "pdgate" / f"{name}.py").read_text()
         assert "protocol" not in pdgate_imports()[name], f"pdgate.{name} imports SGLang's wire constants"
         assert not re.search(r"bootstrap_room|abort_request|/server_info|/v1/loads|/pdgate/v1/", text), name
+        assert not engine_ideas(text), (name, engine_ideas(text))
+
+
+def test_the_engine_idea_check_finds_a_room() -> None:
+    """The check above on the line the request path had before the adapters drew their own rooms."""
+    assert engine_ideas("att = Attempt(n=n, rid=rid, room=random.getrandbits(63))\n") == ["room"]
+    assert engine_ideas('"""a pair with room"""\nx = att.room\n') == ["room"]
+    assert engine_ideas("ok = w.has_room(now)  # room left\n") == []

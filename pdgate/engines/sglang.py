@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import random
 import re
 from typing import TYPE_CHECKING, Any
 
@@ -55,8 +56,9 @@ class SGLang:
 
     # ---- the legs ----------------------------------------------------------------------
     def legs(self, body: dict[str, Any], att: Attempt, prefill: WorkerSpec) -> tuple[bytes, bytes]:
+        room = att.engine[wire.BOOTSTRAP_ROOM] = random.getrandbits(63)  # each attempt its own: the KV's meeting place
         payload = orjson.dumps({**body, wire.BOOTSTRAP_HOST: prefill.host, wire.BOOTSTRAP_PORT: prefill.bootstrap_port,
-                                wire.BOOTSTRAP_ROOM: att.room, wire.RID: att.rid})
+                                wire.BOOTSTRAP_ROOM: room, wire.RID: att.rid})
         return payload, payload
 
     def decode_after(self, decode: bytes, prefill_answer: bytes) -> bytes:

@@ -82,7 +82,7 @@ async def test_a_failed_prefill_does_not_end_a_deferred_decode_abort(guard: bool
         await asyncio.sleep(0.05)
         raise RuntimeError("aborted")
 
-    att = Attempt(1, "pdg-x.1", "p0", "d0", 7)
+    att = Attempt(1, "pdg-x.1", "p0", "d0")
     att.transferred = not guard  # switched off: the prefill's end read as the transfer's, whatever it was
     dw = SimpleNamespace(id="d0", role="decode", url="http://d", engine=SimpleNamespace(abort=abort))
     obs = SimpleNamespace(aborted=lambda role, result: None)

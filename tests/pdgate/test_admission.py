@@ -375,20 +375,20 @@ async def test_the_queue_moves_when_an_engines_backoff_ends(procs: Procs, http: 
 
 async def test_a_retry_takes_its_own_slot_before_the_queue(procs: Procs, http: aiohttp.ClientSession,
                                                            gateways: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdgate import attempt
+    from pdgate import legs
     from pdgate.errors import UpstreamStatus
 
-    real = attempt.Attempts.run
+    real = legs.Legs.fly
     failed: list[str] = []
 
-    async def first_fails(self: Any, ctx: Any, att: Any, bind: Any, pw: Any, dw: Any) -> bytes:
+    async def first_fails(self: Any, ctx: Any, lease: Any) -> bytes:
         if not failed and ctx.rec.model == "sim-model" and b"retry me" in ctx.request.body:
-            failed.append(att.rid)
+            failed.append(lease.att.rid)
             await asyncio.sleep(0.3)
-            raise UpstreamStatus("injected", role="decode", worker=dw.id, upstream_status=500)
-        return await real(self, ctx, att, bind, pw, dw)
+            raise UpstreamStatus("injected", role="decode", worker=lease.pair[1].id, upstream_status=500)
+        return await real(self, ctx, lease)
 
-    monkeypatch.setattr(attempt.Attempts, "run", first_fails)
+    monkeypatch.setattr(legs.Legs, "fly", first_fails)
     p, d = sims(procs)
     g = await gateway(gateways, p, d, capacity=1)
     r = asyncio.create_task(post(http, g, NORM, chat(2, "retry me")))
@@ -404,7 +404,7 @@ async def test_a_retry_takes_its_own_slot_before_the_queue(procs: Procs, http: a
 async def test_a_granted_pair_whose_worker_went_down_is_not_used(procs: Procs, http: aiohttp.ClientSession,
                                                                  gateways: list[Any],
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdgate.admission import Gate
+    from pdgate.gate import Gate
     from pdgate.workers import State
 
     p, d = sims(procs)
@@ -448,7 +448,7 @@ async def test_a_queued_request_whose_turn_comes_too_late_is_answered_not_sent(
     """Its turn comes with less of its TTFT budget left than a dispatched request takes to its first token: a 503
     before its budget ends, and the engine computes nothing for it. With the check off (``Gate.too_late``), it is
     sent, ends 504 at its budget, and the prefill's work for it is wasted."""
-    from pdgate.admission import Gate
+    from pdgate.gate import Gate
 
     # the early shed's cold-start estimate (``Rates.little``, from the one slot over the TTFT) would answer it at
     # once, before its turn: off here, so the check at its turn is what answers it

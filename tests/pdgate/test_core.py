@@ -216,18 +216,3 @@ def test_worker_state_machine_checks_moves_and_tells_observers() -> None:
     assert [s[2] for s in seen] == ["up", "breaker_open", "half_open", "up", "removed"]
     assert seen[1][3].startswith("breaker opened after 2 failures: 502")
     assert [h[1] for h in w.history] == ["up", "breaker_open", "half_open", "up", "removed"]
-
-
-def test_worker_lost_carries_structured_fields() -> None:
-    from pdgate.attempt import Bind
-    from pdgate.record import Attempt
-    from pdgate.scope import Cause
-
-    b = Bind(Attempt(n=1, rid="pdg-x.1", prefill="p0", decode="d1", room=1), None, lambda: 0.0)
-    b.lose("d1", "decode", "down: ConnectFailed")
-    reason = b.scope.reason
-    assert reason is not None and reason.cause is Cause.WORKER_LOST
-    err = reason.error
-    assert (err.worker, err.role, err.cause) == ("d1", "decode", "down: ConnectFailed")  # type: ignore[union-attr]
-    b.fail(RuntimeError("later"))
-    assert b.scope.reason is reason, "first reason wins"
