@@ -16,7 +16,7 @@ our request: it never read it) is sent once more on a fresh connection, counted 
 ``Client.stale_retries``, and never surfaces as a failure.
 
 Errors are ``OSError`` subclasses (``ConnectFailed``, ``UpstreamClosed``, ``BodyTooLarge``),
-wrapped by ``pdgate.upstream.wrap`` into the gateway's error tree.
+wrapped by ``pdgate.adapters.upstream.wrap`` into the gateway's error tree.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A handler raises an ``HTTPError`` (or a subclass) and the client gets its ``status`` and
 ``{"error": {"message", "type", "code", "param"}}``. pdgate builds its own tree on
-``HTTPError`` (``pdgate.errors``); the few errors the HTTP layer raises itself live here.
+``HTTPError`` (``pdgate.core.errors``); the few errors the HTTP layer raises itself live here.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from rich.progress import Progress
 from loadtest import overload, streams
 from loadtest.output import pyplot, save, write
 from loadtest.procs import PEERS, Proc, Stack, cpu_seconds, free_port, peer_cmd, require_router, wait_http
-from pdgate.views import layout
+from pdgate.planes.views import layout
 
 PING = b'{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}'
 CORES = os.cpu_count() or 1
@@ -229,7 +229,7 @@ def summarize(results: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, 
 
 
 def print_table(console: Console, summary: dict[str, dict[str, dict[str, Any]]], title: str) -> None:
-    """As the CLI lays tables out (``pdgate.views.layout``): every value whole; where the columns do not fit the
+    """As the CLI lays tables out (``pdgate.planes.views.layout``): every value whole; where the columns do not fit the
     terminal (or a pipe's 80 columns), one record per row."""
     cols = ["target", "workload", "req/s", "goodput req/s", "tok/s", "goodput tok/s", "vs direct", "p50 ms", "p99 ms",
             "p50 +ms over direct", "ttft p50 ms", "target CPU µs/req", "workers CPU µs/req", "gen CPU µs/req", "all CPU µs/req", "CPU-bound req/s", "errors"]

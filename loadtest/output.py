@@ -50,7 +50,7 @@ def verdict_exit(out: dict[str, Any]) -> None:
 def up_model(gateway: str | None) -> str:
     """The model to ask for when none is given: what the ``pdgate up`` run from this directory serves (its up file
     says) when the load test drives that very gateway, else the sims' own."""
-    from pdgate.cli import started
+    from pdgate.planes.cli import started
 
     up = started()
     model = up.get("model") if up and up.get("front") == gateway else None

@@ -47,7 +47,7 @@ from rich.console import Console
 
 from loadtest.output import pyplot, save, write
 from loadtest.procs import Proc, free_port, peer_cmd, require_router, wait_http, worker_tables
-from pdgate.views import layout
+from pdgate.planes.views import layout
 
 BODY = {"model": "sim-model", "messages": [{"role": "user", "content": "say hi"}], "max_tokens": 8}
 SLACK_S = 0.05  # an answer this late past its budget still counts as within it (timer and network)
@@ -223,7 +223,7 @@ async def measure(a: argparse.Namespace, targets: dict[str, str], pre: str, dec:
 
 
 def report(console: Console, out: dict[str, Any]) -> None:
-    """As the CLI lays tables out (``pdgate.views.layout``): values whole, records where the columns do not fit."""
+    """As the CLI lays tables out (``pdgate.planes.views.layout``): values whole, records where the columns do not fit."""
     cols = ["target", "load", "offered/s", "goodput/s", "x cap", "terminal in deadline", "shed", "shed p90/p99 ms",
             "504", "late", "ok p50 ms", "wasted prefills"]
     rows: list[list[Any]] = []

@@ -28,7 +28,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from loadtest.output import pyplot, save, verdict_command
-from pdgate.cli import admin_default, admin_key, started
+from pdgate.planes.cli import admin_default, admin_key, started
 
 GAUGE = "num_prefill_inflight_queue_reqs"
 FORCE_FAILS = "num_prefill_inflight_timeout_reqs_total"

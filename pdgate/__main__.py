@@ -1,3 +1,3 @@
-from pdgate.cli import main
+from pdgate.planes.cli import main
 
 main()

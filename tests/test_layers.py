@@ -4,6 +4,7 @@ constants; pdgate's own modules form layers without a circle."""
 from __future__ import annotations
 
 import ast
+import graphlib
 import io
 import re
 import subprocess
@@ -30,19 +31,18 @@ def test_h1lite_imports_neither_pdgate_nor_engine() -> None:
 @pytest.mark.parametrize("module", ["engine.sim.server", "engine.sim.worker", "engine.sim.__main__", "engine.supervisor"])
 def test_engine_imports_only_pdgate_protocol(module: str) -> None:
     mods = loaded_after(f"import {module}")
-    assert {m for m in mods if m.split(".")[0] == "pdgate"} <= {"pdgate", "pdgate.protocol"}
+    assert {m for m in mods if m.split(".")[0] == "pdgate"} <= {"pdgate", "pdgate.core", "pdgate.core.protocol"}
 
 
-# pdgate's modules from the ground up: each imports only modules before it (docs/architecture.md, "Parts"). A module
-# not listed fails the test: give it its place. The request path runs context -> relay -> aborts -> admission ->
-# attempt -> outcome -> proxy; the gateway assembles it; the planes (control, admin, server) sit on top.
-LAYERS = """
-errors protocol record rid scope queueing limits views config validation policies responses anthropic store.base auth store.embedded store.redis
-store.kinds store deadlines metrics access_log otel traces
-upstream lineage engines.base engines engines.sglang engines.vllm engines.kinds workers routing
-context observe relay aborts admission gate legs attempt outcome proxy responses_api messages_api
-health reconcile gateway multi control dashboard admin peers server up cli __main__ __init__
-""".split()
+# pdgate's layers are its folders, from the ground up (docs/architecture.md, "Parts"): a module imports only from its
+# own folder (without a circle there) or from a folder below its own. A folder not listed fails the test: give it its
+# place. The two modules at the top (``__init__``, ``__main__``) may import anything.
+FOLDERS = ["core", "apis", "store", "observe", "adapters", "pool", "path", "planes"]
+TOP = {"__init__", "__main__"}
+
+
+def folder_of(module: str) -> str:
+    return module if module in TOP else module.split(".")[0]
 
 
 def pdgate_imports() -> dict[str, set[str]]:
@@ -68,30 +68,43 @@ def pdgate_imports() -> dict[str, set[str]]:
     return out
 
 
-def upward(graph: dict[str, set[str]], layers: list[str]) -> list[str]:
-    """The imports that do not run down ``layers``: every circle has at least one."""
-    place = {m: i for i, m in enumerate(layers)}
-    return sorted(f"{m} -> {d}" for m, deps in graph.items() for d in deps if place[d] >= place[m])
+def upward(graph: dict[str, set[str]], folders: list[str]) -> list[str]:
+    """The imports that run up a folder, or round a circle inside one."""
+    place = {f: i for i, f in enumerate(folders)} | {m: len(folders) for m in TOP}
+    up = [f"{m} -> {d}" for m, deps in graph.items() for d in deps if place[folder_of(d)] > place[folder_of(m)]]
+    same = {m: {d for d in deps if folder_of(d) == folder_of(m) and m not in TOP} for m, deps in graph.items()}
+    try:
+        tuple(graphlib.TopologicalSorter(same).static_order())
+    except graphlib.CycleError as e:
+        up.append("circle: " + " -> ".join(e.args[1]))
+    return sorted(up)
 
 
-def test_pdgate_has_no_import_circle_and_every_module_imports_only_below_itself() -> None:
+def test_the_folders_are_the_layers() -> None:
+    """Every module lives in a layer's folder (the top's two apart), and every folder is a layer."""
     graph = pdgate_imports()
-    assert set(graph) == set(LAYERS), f"give these modules their place in LAYERS: {sorted(set(graph) ^ set(LAYERS))}"
-    assert not upward(graph, LAYERS), f"imports that run up (or round a circle): {upward(graph, LAYERS)}"
+    folders = {p.name for p in (ROOT / "pdgate").iterdir() if (p / "__init__.py").exists()}
+    assert folders == set(FOLDERS), f"give these folders their place in FOLDERS: {sorted(folders ^ set(FOLDERS))}"
+    assert {m for m in graph if "." not in m} <= TOP | folders, sorted(m for m in graph if "." not in m)
 
 
-def test_the_layer_check_finds_a_circle() -> None:
-    """The check above on a circle (proxy -> attempt -> proxy): it fails there, whatever order is given."""
-    graph = {"record": set(), "attempt": {"record", "proxy"}, "proxy": {"attempt"}}
-    assert upward(graph, ["record", "attempt", "proxy"]) == ["attempt -> proxy"]
-    assert upward(graph, ["record", "proxy", "attempt"]) == ["proxy -> attempt"]
+def test_pdgate_has_no_import_circle_and_every_module_imports_only_from_its_folder_or_below() -> None:
+    graph = pdgate_imports()
+    assert not upward(graph, FOLDERS), f"imports that run up (or round a circle): {upward(graph, FOLDERS)}"
+
+
+def test_the_layer_check_finds_a_circle_and_an_upward_import() -> None:
+    """The check above on a circle inside a folder and on an import that runs up a folder: it fails on both."""
+    graph = {"core.record": set(), "path.attempt": {"core.record", "path.proxy"}, "path.proxy": {"path.attempt"}}
+    assert upward(graph, ["core", "path"])[0].startswith("circle: ")
+    assert upward({"core.record": {"path.gate"}, "path.gate": set()}, ["core", "path"]) == ["core.record -> path.gate"]
+    assert upward({"core.record": set(), "path.gate": {"core.record"}}, ["core", "path"]) == []
 
 
 # what only an engine adapter knows: SGLang's bootstrap room and host, vLLM's KV transfer parameters (a worker's
 # bootstrap_port stays: the operator declares it with the worker, and /v1/workers shows it)
 ENGINE_NAMES = re.compile(r"room|bootstrap_room|bootstrap_host|kv_transfer_params|kv_params")
-REQUEST_PATH = ("context", "relay", "aborts", "admission", "gate", "legs", "attempt", "outcome", "proxy", "health",
-                "reconcile", "routing", "observe", "upstream", "workers", "record", "traces", "otel")
+REQUEST_PATH = ("core", "path", "pool", "observe")  # every module in these folders
 
 
 def engine_ideas(text: str) -> list[str]:
@@ -103,9 +116,13 @@ def engine_ideas(text: str) -> list[str]:
 
 def test_only_the_engine_adapter_names_sglang_on_the_request_path() -> None:
     """The request path, health and reconciliation reach engines through their adapter alone."""
-    for name in REQUEST_PATH:
-        text = (ROOT / "pdgate" / f"{name}.py").read_text()
-        assert "protocol" not in pdgate_imports()[name], f"pdgate.{name} imports SGLang's wire constants"
+    graph = pdgate_imports()
+    # the wire constants themselves, and the configuration that takes a worker's default bootstrap port from them
+    names = [m for m in graph if folder_of(m) in REQUEST_PATH and m not in ("core.protocol", "core.config") and "." in m]
+    assert len(names) > 30, names
+    for name in names:
+        text = (ROOT / "pdgate" / f"{name.replace('.', '/')}.py").read_text()
+        assert "core.protocol" not in graph[name], f"pdgate.{name} imports SGLang's wire constants"
         assert not re.search(r"bootstrap_room|abort_request|/server_info|/v1/loads|/pdgate/v1/", text), name
         assert not engine_ideas(text), (name, engine_ideas(text))
 

@@ -213,7 +213,7 @@ EXAMPLE_PORTS = (30010, 30011, 30020, 30021, 30910, 30911)
 
 
 def test_up_from_any_directory_runs_the_packaged_example(procs: Procs, tmp_path: Path) -> None:
-    from pdgate.multi import port_free
+    from pdgate.planes.multi import port_free
 
     if not all(port_free("127.0.0.1", p) for p in EXAMPLE_PORTS):
         pytest.skip(f"the example cluster's ports {EXAMPLE_PORTS} are in use here")
@@ -231,7 +231,7 @@ def test_up_from_any_directory_runs_the_packaged_example(procs: Procs, tmp_path:
 def test_base_port_moves_everything_and_the_cli_and_storm_find_it_with_no_flag(procs: Procs, tmp_path: Path) -> None:
     """A newcomer's path: ``pdgate up --base-port N --policy session`` from a directory, then the operator commands
     and the storm from the same directory with no flag; the banner names the dashboard; a stopped up's file goes."""
-    from pdgate.multi import port_free
+    from pdgate.planes.multi import port_free
 
     base = next(b for b in (free_port() // 100 * 100 for _ in range(50))
                 if b > 1024 and all(port_free("127.0.0.1", b + i) for i in range(20)))

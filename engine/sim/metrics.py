@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine.sim.worker import Engine
-from pdgate import protocol as p
+from pdgate.core import protocol as p
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 LABELS = ("model_name", "engine_type", "tp_rank", "pp_rank")

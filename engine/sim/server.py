@@ -24,7 +24,7 @@ from engine.sim.config import FIXES, SimConfig, parse_fixes
 from engine.sim.text import chat_prompt, token_ids, token_logprob
 from engine.sim.worker import Engine, EngineError, SimRequest, make_request
 from h1lite.server import Handler, Request, Response, Router, Server, Stream, json_response
-from pdgate import protocol as p
+from pdgate.core import protocol as p
 
 log = logging.getLogger("engine.sim.server")
 UNSUPPORTED = ("best_of", "suffix", "echo", "logit_bias", "functions")

@@ -47,7 +47,7 @@ from engine.sim.server import DONE, SSE, Parsed, Segmenter, chunk, error, full_b
 from engine.sim.worker import EngineError, SimRequest, make_request
 from h1lite.client import Client
 from h1lite.server import Request, Response, Router, Server, Stream
-from pdgate import protocol as p
+from pdgate.core import protocol as p
 
 log = logging.getLogger("engine.sim.vllm")
 VERSION = "0.13.0+pdgate.sim"

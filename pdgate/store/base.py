@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from pdgate.config import ResponsesConfig
+    from pdgate.core.config import ResponsesConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,7 +1,7 @@
 """The embedded store: one process's limits in its own memory (no new dependency, nothing shared).
 
 Live requests per tenant are counted here and requests and tokens per minute are token buckets
-(``auth.Bucket``); a worker's capacity is the local pool's own count (``Worker.limit``), so slots are taken by
+(``Bucket``); a worker's capacity is the local pool's own count (``Worker.limit``), so slots are taken by
 the gate's pick alone. The registry knows this instance only: another instance's rids are never taken for a
 dead one's (nothing here could say it is dead). The Redis store (``store/redis.py``) falls back to one of these,
 its limits divided among the instances it last saw, while Redis cannot be reached.
@@ -14,11 +14,43 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from pdgate.auth import Bucket
 from pdgate.store.base import Beat, Grant, TenantAsk
 
 if TYPE_CHECKING:
-    from pdgate.config import ResponsesConfig
+    from pdgate.core.config import ResponsesConfig
+
+
+
+class Bucket:
+    """A per-minute allowance as a token bucket: full at ``per_min``, refilled at ``per_min``/60 a second.
+    The level may go below zero (tokens charged after the fact); nothing more passes until it is back above."""
+
+    __slots__ = ("at", "cap", "level", "rate")
+
+    def __init__(self, per_min: int, now: float) -> None:
+        self.cap = float(per_min)
+        self.rate = per_min / 60.0
+        self.level = self.cap
+        self.at = now
+
+    def _fill(self, now: float) -> None:
+        self.level = min(self.cap, self.level + (now - self.at) * self.rate)
+        self.at = now
+
+    def wait(self, need: float, now: float) -> float:
+        """Seconds until ``need`` is available (0: now)."""
+        self._fill(now)
+        return 0.0 if self.level >= need else (need - self.level) / self.rate
+
+    def take(self, n: float, now: float) -> None:
+        self._fill(now)
+        self.level -= n
+
+    def resize(self, per_min: int, now: float) -> None:
+        """A new allowance (its share changed), as full as it was."""
+        self._fill(now)
+        self.level = self.level / self.cap * per_min if self.cap else float(per_min)
+        self.cap, self.rate = float(per_min), per_min / 60.0
 
 
 class EmbeddedStore:

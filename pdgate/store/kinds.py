@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdgate.config import StoreConfig
+from pdgate.core.config import StoreConfig
 from pdgate.store.base import Store
 from pdgate.store.embedded import EmbeddedStore
 

@@ -44,8 +44,8 @@ import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from pdgate.config import ResponsesConfig, StoreConfig
-from pdgate.errors import StoreUnavailable
+from pdgate.core.config import ResponsesConfig, StoreConfig
+from pdgate.core.errors import StoreUnavailable
 from pdgate.store.base import Beat, Grant, TenantAsk
 from pdgate.store.embedded import EmbeddedStore
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from pdgate.config import ReconcileConfig
+from pdgate.core.config import ReconcileConfig
 from tests.pdgate.harness import make_config, start_gateway
 from tests.procs import ROOT, Procs
 
@@ -90,7 +90,7 @@ def test_a_verdicts_model_defaults_to_what_the_pdgate_up_here_serves(tmp_path: P
     directory asks for "tiny-llama", which that cluster serves: with the sims' "sim-model" every probe was a 404. A
     test driving another gateway from there keeps "sim-model"."""
     from loadtest.output import up_model
-    from pdgate.up import write_up_file
+    from pdgate.planes.up import write_up_file
 
     monkeypatch.delenv("PDGATE_ADMIN_KEY_FILE", raising=False)
     monkeypatch.chdir(tmp_path)

@@ -11,9 +11,9 @@ from typing import Any
 
 import aiohttp
 
-from pdgate.config import GatewayConfig, HealthConfig, WorkerSpec, validate
-from pdgate.gateway import Gateway
-from pdgate.server import App, build_app, serve
+from pdgate.core.config import GatewayConfig, HealthConfig, WorkerSpec, validate
+from pdgate.path.gateway import Gateway
+from pdgate.planes.server import App, build_app, serve
 from tests.engine.simclient import engine_requests
 from tests.procs import Sim, free_port
 

@@ -1,4 +1,4 @@
-"""The whole request path without a socket: an in-memory transport (``pdgate.upstream.Transport``, as httpx's
+"""The whole request path without a socket: an in-memory transport (``pdgate.adapters.upstream.Transport``, as httpx's
 ``MockTransport``) in front of an SGLang-speaking PD pool the test steps leg by leg, and a client request made in
 memory (h1lite's ``Request`` on a protocol that collects what is written).
 
@@ -17,9 +17,9 @@ from typing import Any
 import orjson
 
 from h1lite.server import Request
-from pdgate import protocol as wire
-from pdgate.config import GatewayConfig, WorkerSpec, validate
-from pdgate.gateway import Gateway
+from pdgate.core import protocol as wire
+from pdgate.core.config import GatewayConfig, WorkerSpec, validate
+from pdgate.path.gateway import Gateway
 
 
 class Answer:
@@ -96,7 +96,7 @@ Handler = Callable[[Call], Awaitable[Answer]]
 
 
 class MemoryTransport:
-    """``pdgate.upstream.Transport`` in memory: every call goes to ``handler``; what it answered is kept to check
+    """``pdgate.adapters.upstream.Transport`` in memory: every call goes to ``handler``; what it answered is kept to check
     that each answer was read whole or released."""
 
     def __init__(self, handler: Handler) -> None:

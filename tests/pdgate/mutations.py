@@ -11,7 +11,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from pdgate import aborts, deadlines, proxy, relay, responses, rid, scope
+from pdgate.apis import responses
+from pdgate.core import deadlines, rid
+from pdgate.path import aborts, proxy, relay, scope
 
 
 def _per_read_push(self: relay.Framer, chunk: bytes) -> bytes:

@@ -33,8 +33,8 @@ import aiohttp
 import orjson
 from hypothesis import strategies as st
 
-from pdgate.config import AdmissionConfig, DeadlineConfig, HealthConfig, ReconcileConfig
-from pdgate.scope import Cause, Reason
+from pdgate.core.config import AdmissionConfig, DeadlineConfig, HealthConfig, ReconcileConfig
+from pdgate.path.scope import Cause, Reason
 from tests.engine.simclient import engine_requests, set_faults
 from tests.pdgate.harness import Running, make_config, start_gateway
 from tests.pdgate.sse import DELTA, Seen, anthropic_error, call

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdgate.engines.sglang import SGLang
+from pdgate.adapters.sglang import SGLang
 from tests.engine.simclient import engine_requests, gauge, set_faults
 from tests.pdgate.harness import assert_clean
 from tests.pdgate.test_outcomes import CHAT, gateway, trace
@@ -56,10 +56,10 @@ async def test_a_failed_prefill_does_not_end_a_deferred_decode_abort(guard: bool
     ``test_a_decode_without_fix_a_...`` caught one time in three as a leaked decode."""
     from types import SimpleNamespace
 
-    from pdgate.aborts import Aborts
-    from pdgate.config import GatewayConfig
-    from pdgate.record import Attempt
-    from pdgate.scope import Tasks
+    from pdgate.core.config import GatewayConfig
+    from pdgate.core.record import Attempt
+    from pdgate.path.aborts import Aborts
+    from pdgate.path.scope import Tasks
 
     loop = asyncio.get_running_loop()
     sent: list[float] = []
@@ -84,7 +84,7 @@ async def test_a_failed_prefill_does_not_end_a_deferred_decode_abort(guard: bool
 
     att = Attempt(1, "pdg-x.1", "p0", "d0")
     att.transferred = not guard  # switched off: the prefill's end read as the transfer's, whatever it was
-    dw = SimpleNamespace(id="d0", role="decode", url="http://d", engine=SimpleNamespace(abort=abort))
+    dw = SimpleNamespace(id="d0", role="decode", url="http://d", adapter=SimpleNamespace(abort=abort))
     obs = SimpleNamespace(aborted=lambda role, result: None)
     aborts = Aborts(GatewayConfig(abort_repeat_s=(), abort_defer_s=2.0), obs, Tasks(), loop.time)  # type: ignore[arg-type]
     prefill = asyncio.ensure_future(prefill_fails())

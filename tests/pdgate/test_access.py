@@ -22,13 +22,14 @@ import aiohttp
 import openai
 import pytest
 
-from pdgate import admin as admin_module
-from pdgate import config
-from pdgate.auth import Bucket, Tenant, bearer, new_key
-from pdgate.config import AdminKey, ConfigError, GatewayConfig, KeyConfig, hash_key
-from pdgate.errors import detail_of, one_line
-from pdgate.rid import Ids, Rid
-from pdgate.workers import State
+from pdgate.core import config
+from pdgate.core.config import AdminKey, ConfigError, GatewayConfig, KeyConfig, hash_key
+from pdgate.core.errors import detail_of, one_line
+from pdgate.core.rid import Ids, Rid
+from pdgate.path.auth import Tenant, bearer, new_key
+from pdgate.planes import admin as admin_module
+from pdgate.pool.workers import State
+from pdgate.store.embedded import Bucket
 from tests.pdgate.harness import Running, make_config, start_gateway
 from tests.pdgate.sse import call as sse_call
 from tests.procs import ROOT, Procs, Sim, free_port, wait_http, workers_toml
@@ -305,7 +306,7 @@ async def test_a_tenant_sees_and_aborts_only_its_own_requests(procs: Procs, http
 def test_the_longer_ids_are_never_cut_at_80_columns() -> None:
     from rich.console import Console
 
-    from pdgate import views
+    from pdgate.planes import views
 
     rid = "pdg-1fc49fd0-000000019b30a10102e86876"
     data = {"count": 1, "requests": [{"id": rid, "phase": "prefill+transfer", "age_s": 1.23, "attempt": 1,
@@ -590,7 +591,7 @@ def test_keys_file_cli_and_admin_socket_with_real_processes(procs: Procs, tmp_pa
 
 
 def test_an_open_front_door_beyond_loopback_is_warned_about() -> None:
-    from pdgate.server import open_front_door
+    from pdgate.planes.server import open_front_door
 
     assert open_front_door("0.0.0.0", keys=False) and "without client keys" in str(open_front_door("", keys=False))
     assert open_front_door("0.0.0.0", keys=True) is None and open_front_door("127.0.0.1", keys=False) is None

@@ -10,7 +10,7 @@ from urllib.parse import unquote
 import aiohttp
 import pytest
 
-from pdgate.config import KeyConfig, hash_key
+from pdgate.core.config import KeyConfig, hash_key
 from tests.pdgate.harness import make_config, start_gateway
 from tests.procs import Procs
 

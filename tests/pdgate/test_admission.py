@@ -15,8 +15,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdgate.config import AdmissionConfig, HealthConfig, KeyConfig, hash_key
-from pdgate.queueing import RANKS, Entry, FairQueue, Rates
+from pdgate.core.config import AdmissionConfig, HealthConfig, KeyConfig, hash_key
+from pdgate.core.queueing import RANKS, Entry, FairQueue, Rates
 from tests.pdgate.harness import Running, make_config, start_gateway
 from tests.procs import Procs, Sim
 
@@ -159,12 +159,12 @@ def test_estimates_and_shares() -> None:
 
 
 def test_a_workers_limit_follows_its_engine() -> None:
-    from pdgate.config import BreakerConfig, WorkerSpec
-    from pdgate.workers import CircuitBreaker, Worker
+    from pdgate.core.config import BreakerConfig, WorkerSpec
+    from pdgate.pool.workers import CircuitBreaker, Worker
 
     w = Worker("d0", WorkerSpec("http://127.0.0.1:1", "decode"), CircuitBreaker(BreakerConfig()), None)  # type: ignore[arg-type]
     assert w.limit(0.0) is None and w.has_room(0.0), "no capacity known: no cap"
-    w.slots.engine = 8
+    w.slots.reported = 8
     assert w.limit(0.0) == 8
     w.slots.configured = 4
     assert w.limit(0.0) == 4, "the config's capacity wins"
@@ -375,8 +375,8 @@ async def test_the_queue_moves_when_an_engines_backoff_ends(procs: Procs, http: 
 
 async def test_a_retry_takes_its_own_slot_before_the_queue(procs: Procs, http: aiohttp.ClientSession,
                                                            gateways: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdgate import legs
-    from pdgate.errors import UpstreamStatus
+    from pdgate.core.errors import UpstreamStatus
+    from pdgate.path import legs
 
     real = legs.Legs.fly
     failed: list[str] = []
@@ -404,8 +404,8 @@ async def test_a_retry_takes_its_own_slot_before_the_queue(procs: Procs, http: a
 async def test_a_granted_pair_whose_worker_went_down_is_not_used(procs: Procs, http: aiohttp.ClientSession,
                                                                  gateways: list[Any],
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from pdgate.gate import Gate
-    from pdgate.workers import State
+    from pdgate.path.gate import Gate
+    from pdgate.pool.workers import State
 
     p, d = sims(procs)
     d2 = procs.sim("decode", "--speed", "1")
@@ -448,7 +448,7 @@ async def test_a_queued_request_whose_turn_comes_too_late_is_answered_not_sent(
     """Its turn comes with less of its TTFT budget left than a dispatched request takes to its first token: a 503
     before its budget ends, and the engine computes nothing for it. With the check off (``Gate.too_late``), it is
     sent, ends 504 at its budget, and the prefill's work for it is wasted."""
-    from pdgate.gate import Gate
+    from pdgate.path.gate import Gate
 
     # the early shed's cold-start estimate (``Rates.little``, from the one slot over the TTFT) would answer it at
     # once, before its turn: off here, so the check at its turn is what answers it
@@ -483,8 +483,8 @@ def test_the_cold_start_estimate_counts_serving_prefills_and_moves_no_breaker(se
     (``Worker.available`` does, the routing's own step), nor count it as running a full limit."""
     from types import SimpleNamespace
 
-    from pdgate.gateway import Gateway
-    from pdgate.workers import Breaker, State
+    from pdgate.path.gateway import Gateway
+    from pdgate.pool.workers import Breaker, State
 
     p = SimpleNamespace(url="http://127.0.0.1:1", bootstrap_port=2)
     d = SimpleNamespace(url="http://127.0.0.1:3", bootstrap_port=None)

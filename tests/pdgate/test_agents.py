@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import pytest
 
-from pdgate import policies
+from pdgate.pool import policies
 from tests.pdgate.harness import Running, make_config, start_gateway, worker_id
 from tests.procs import Procs, Sim
 
@@ -293,7 +293,7 @@ async def test_a_policy_that_fails_on_one_request_ends_that_request_only(procs: 
     bound, later degraded)."""
     p = procs.sim("prefill", "--fault", "slow_prefill=0.3")
     d = procs.sim("decode")
-    from pdgate.config import AdmissionConfig
+    from pdgate.core.config import AdmissionConfig
 
     g = await gateway(gateways, [p], [d], admission=AdmissionConfig(capacity=1))
     g.gw.routing.prefill = Failing(where)
@@ -316,7 +316,7 @@ async def test_a_policy_that_fails_on_one_request_ends_that_request_only(procs: 
 
 
 async def test_session_header_is_matched_whatever_its_case_in_the_config(procs: Procs, gateways: list[Any]) -> None:
-    from pdgate.config import RoutingConfig
+    from pdgate.core.config import RoutingConfig
 
     prefills = [procs.sim("prefill"), procs.sim("prefill")]
     d = procs.sim("decode")

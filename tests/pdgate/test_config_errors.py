@@ -90,7 +90,7 @@ def test_shapes_that_used_to_crash_or_hide_errors(data: dict[str, object], words
     """Found by a hostile review: a wrong type stopped the collection with a TypeError, a section name under
     [gateway] crashed validation, a missing key hid the "did you mean" of its typo, a keys list of the wrong
     shape was a traceback (and could print a key)."""
-    from pdgate import config
+    from pdgate.core import config
 
     with pytest.raises(config.ConfigError) as err:
         config.from_mapping(data)

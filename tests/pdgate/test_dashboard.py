@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdgate.config import AdminKey, hash_key
+from pdgate.core.config import AdminKey, hash_key
 from tests.pdgate.harness import Running, make_config, start_gateway
 from tests.procs import Procs
 

@@ -19,12 +19,12 @@ import orjson
 import pytest
 from aiohttp import web
 
-from pdgate.config import GatewayConfig, HealthConfig, WorkerSpec, validate
-from pdgate.engines import Held, Probe, Usage
-from pdgate.gateway import Gateway
-from pdgate.record import Attempt
-from pdgate.server import build_app, serve
-from pdgate.upstream import Upstream
+from pdgate.adapters import Held, Probe, Usage
+from pdgate.adapters.upstream import Upstream
+from pdgate.core.config import GatewayConfig, HealthConfig, WorkerSpec, validate
+from pdgate.core.record import Attempt
+from pdgate.path.gateway import Gateway
+from pdgate.planes.server import build_app, serve
 from tests.pdgate.harness import Running, assert_clean
 from tests.procs import Procs, free_port
 

@@ -503,7 +503,7 @@ async def test_client_keeps_response_headers_sends_ours_and_reads_to_close() -> 
 
 
 def test_https_and_bad_ports_are_refused_at_validation() -> None:
-    from pdgate.config import ConfigError, WorkerSpec, validate_worker
+    from pdgate.core.config import ConfigError, WorkerSpec, validate_worker
 
     with pytest.raises(ConfigError, match="https:// workers are not supported"):
         validate_worker(WorkerSpec(url="https://127.0.0.1:30000", role="decode"))
@@ -514,7 +514,7 @@ def test_https_and_bad_ports_are_refused_at_validation() -> None:
 async def test_a_huge_leg_answer_and_a_huge_health_answer_through_the_gateway() -> None:
     """A decode whose every answer is 2 GiB: the request gets a clear 502 and the gateway's memory stays
     bounded; its /health answer is refused as well (the worker is down, its error says why)."""
-    from pdgate.config import GatewayConfig, HealthConfig, ReconcileConfig, WorkerSpec, validate
+    from pdgate.core.config import GatewayConfig, HealthConfig, ReconcileConfig, WorkerSpec, validate
     from tests.pdgate.harness import start_gateway
 
     prefill_ok = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Type: application/json\r\n\r\n{}"
@@ -532,7 +532,7 @@ async def test_a_huge_leg_answer_and_a_huge_health_answer_through_the_gateway() 
 
 
 async def huge_leg(g: Any, port: int) -> None:
-    from pdgate.workers import State
+    from pdgate.pool.workers import State
 
     w = g.gw.pool.by_id["d0"]
     assert not w.healthy and "more than 1048576 bytes" in (w.checks.last_error or ""), w.checks.last_error
@@ -558,7 +558,7 @@ def test_the_open_files_limit_is_raised_at_start() -> None:
     import subprocess
     import sys
 
-    code = ("import resource; from pdgate.server import raise_fd_limit; s, h = resource.getrlimit(resource.RLIMIT_NOFILE);"
+    code = ("import resource; from pdgate.planes.server import raise_fd_limit; s, h = resource.getrlimit(resource.RLIMIT_NOFILE);"
             "resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, h), h)); raise_fd_limit();"
             "print(resource.getrlimit(resource.RLIMIT_NOFILE) == (h, h))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

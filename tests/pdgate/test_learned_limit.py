@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 
 from loadtest.overload import open_loop
-from pdgate.config import AdmissionConfig, HealthConfig
+from pdgate.core.config import AdmissionConfig, HealthConfig
 from tests.pdgate.harness import make_config, start_gateway
 from tests.procs import Procs
 
@@ -94,7 +94,7 @@ async def test_gateway_processes_on_one_store_hold_the_least_limit_any_of_them_l
                                                                                        gateways: list[Any]) -> None:
     """Two gateways on one Redis: what one learned of a prefill (here 3) is what the other admits there, though it
     measured nothing itself (its own figure is still the initial 4); judged by what the engine holds at once."""
-    from pdgate.config import StoreConfig
+    from pdgate.core.config import StoreConfig
     from tests.engine.simclient import engine_requests
 
     redis = procs.redis()

@@ -1,4 +1,4 @@
-"""An attempt's lease (``pdgate.gate.Lease``) gives back everything it holds, whenever the attempt ends: the whole
+"""An attempt's lease (``pdgate.path.gate.Lease``) gives back everything it holds, whenever the attempt ends: the whole
 request path runs in memory (``tests/pdgate/memory.py``: no socket), the test steps each leg, ends the request at
 each point of an attempt's life, and then looks from outside the lease: what the workers hold bound, the slots and
 rids the store was told of, the routing policies' bookkeeping, the engines' own held requests and the answers the
@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from pdgate.errors import WorkerLost
-from pdgate.gate import Lease
-from pdgate.gateway import Gateway
-from pdgate.scope import Cause
-from pdgate.workers import State
+from pdgate.core.errors import WorkerLost
+from pdgate.path.gate import Lease
+from pdgate.path.gateway import Gateway
+from pdgate.path.scope import Cause
+from pdgate.pool.workers import State
 from tests.pdgate.memory import MemoryTransport, Pool, Proto, config, gateway, request
 
 CHAT = {"model": "mem-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

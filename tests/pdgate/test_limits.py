@@ -1,4 +1,4 @@
-"""The learned limit's rules (pdgate.limits), pure: bounded, a monotone back-off under growing delay, recovery
+"""The learned limit's rules (pdgate.core.limits), pure: bounded, a monotone back-off under growing delay, recovery
 after the engine speeds up again, and a closed-loop model of a serialised engine it must not overfill or empty."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdgate.limits import Lag, Limiter, LimitRules
+from pdgate.core.limits import Lag, Limiter, LimitRules
 
 RULES = LimitRules(initial=16, floor=1, tolerance=2.0, window_s=10.0, update_s=0.5)
 
@@ -233,13 +233,13 @@ def test_closed_loop_on_a_serialised_engine_is_stable(service_s: float) -> None:
 def test_connections_follow_what_the_engine_runs() -> None:
     """An engine's pool holds what it can run plus headroom, never below its limit (the 1,025th stream on a
     decode that runs thousands no longer waits for a connection: tests/loadtest and BENCHMARKS.md run R)."""
-    from pdgate.config import BreakerConfig, WorkerSpec
-    from pdgate.workers import CONN_HEADROOM, UNKNOWN_MAX, CircuitBreaker, Slots, Worker
+    from pdgate.core.config import BreakerConfig, WorkerSpec
+    from pdgate.pool.workers import CONN_HEADROOM, UNKNOWN_MAX, CircuitBreaker, Slots, Worker
 
     w = Worker("d0", WorkerSpec("http://127.0.0.1:1", "decode"), CircuitBreaker(BreakerConfig()), None,  # type: ignore[arg-type]
                slots=Slots(learned=Limiter(RULES)))
     assert w.conns() == UNKNOWN_MAX + CONN_HEADROOM, "an engine that reports nothing: the most it is given"
-    w.slots.engine = 8192
+    w.slots.reported = 8192
     assert w.conns() == 8192 + CONN_HEADROOM and w.capacity == 16, "the engine's figure, not the learned 16"
     w.slots.configured = 20000
     assert w.conns() == 20000 + CONN_HEADROOM and w.capacity == 20000, "set by hand: that figure"
@@ -272,7 +272,7 @@ def test_latency_the_gateways_loop_lag_explains_cuts_nothing(watched: bool) -> N
 def test_workers_wide_says_which_signal_moved_a_limit_and_the_loops_lag() -> None:
     """``pdgate workers --wide``'s cell for a learned limit, from the limiter's own view: the loop's lag, the last
     moves, the signal of the last one, and a hold the lag explained."""
-    from pdgate.views import learned_line
+    from pdgate.planes.views import learned_line
 
     lag = Lag()
     lim = Limiter(RULES, lag)

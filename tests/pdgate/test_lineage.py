@@ -1,4 +1,4 @@
-"""pdgate.lineage: what makes a recorded process a predecessor, and what never does."""
+"""pdgate.pool.lineage: what makes a recorded process a predecessor, and what never does."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdgate.lineage import Lineage, running, start_ticks
+from pdgate.pool.lineage import Lineage, running, start_ticks
 
 
 def entry(d: Path, inst: str, **kw: object) -> None:

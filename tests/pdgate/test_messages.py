@@ -13,11 +13,11 @@ import anthropic
 import orjson
 import pytest
 
-from pdgate import anthropic as wire
-from pdgate.auth import hash_key
-from pdgate.config import Budgets, DeadlineConfig, KeyConfig, MessagesConfig
-from pdgate.errors import InvalidField
-from pdgate.policies import client_session, user_id_session
+from pdgate.apis import anthropic as wire
+from pdgate.core.config import Budgets, DeadlineConfig, KeyConfig, MessagesConfig
+from pdgate.core.errors import InvalidField
+from pdgate.path.auth import hash_key
+from pdgate.pool.policies import client_session, user_id_session
 from tests.pdgate.harness import Running, assert_clean, make_config, start_gateway
 from tests.procs import Procs, Sim
 
@@ -359,7 +359,7 @@ async def test_an_operators_abort_is_answered_in_anthropics_shape(procs: Procs, 
 async def test_a_full_queue_is_overloaded_error_with_retry_after_also_for_a_stream(
         procs: Procs, gateways: list[Any], http: aiohttp.ClientSession) -> None:
     """What a client should retry later stays an HTTP status (the SDK retries it), in Anthropic's shape."""
-    from pdgate.config import AdmissionConfig
+    from pdgate.core.config import AdmissionConfig
 
     p, d = procs.pair("--speed", "15")  # 30 tokens take ~2-3 s
     g = await gateway(gateways, [p], [d], admission=AdmissionConfig(capacity=1, max_queue=1, shed=False))

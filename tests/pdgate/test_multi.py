@@ -1,5 +1,5 @@
 """``pdgate serve --workers N``: processes that share one port, an admin plane that answers for all of them, a
-supervisor that restarts the one that dies, a store they share (``pdgate.multi``, ``pdgate.peers``, ``pdgate.store``)."""
+supervisor that restarts the one that dies, a store they share (``pdgate.planes.multi``, ``pdgate.planes.peers``, ``pdgate.store``)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdgate import multi, peers
-from pdgate.config import StoreConfig
-from pdgate.metrics import Metrics
+from pdgate.core.config import StoreConfig
+from pdgate.observe.metrics import Metrics
+from pdgate.planes import multi, peers
 from tests.engine.simclient import gauge
 from tests.pdgate.test_outcomes import CHAT
 from tests.procs import Procs, free_port, wait_http, workers_toml
@@ -281,8 +281,8 @@ def test_metrics_of_processes_are_merged_by_prometheus_multiprocess_files(tmp_pa
 
 
 def test_a_pool_takes_the_stores_ids_and_goes_on_from_them() -> None:
-    from pdgate.config import BreakerConfig, WorkerSpec
-    from pdgate.workers import Pool
+    from pdgate.core.config import BreakerConfig, WorkerSpec
+    from pdgate.pool.workers import Pool
 
     pool = Pool(BreakerConfig(), lambda kind: None)  # type: ignore[arg-type,return-value]
     assert pool.add(WorkerSpec(url="http://127.0.0.1:1", role="decode")).id == "d0"
@@ -393,7 +393,7 @@ async def test_a_frozen_process_is_killed_and_restarted(procs: Procs, fresh: aio
 
 
 def test_what_a_group_needs_of_the_config_is_not_asked_of_one_process() -> None:
-    from pdgate.config import ConfigError, GatewayConfig
+    from pdgate.core.config import ConfigError, GatewayConfig
 
     on_a_socket = GatewayConfig(admin_socket="/tmp/pdgate-admin.sock")
     multi.check(on_a_socket, 1)  # one process: an admin socket is fine, as it always was

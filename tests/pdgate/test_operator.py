@@ -9,8 +9,8 @@ from typing import Any
 
 import aiohttp
 
-from pdgate.metrics import OTHER_MODEL, Metrics
-from pdgate.record import Phase
+from pdgate.core.record import Phase
+from pdgate.observe.metrics import OTHER_MODEL, Metrics
 from tests.pdgate.harness import make_config, start_gateway
 from tests.procs import ROOT, Procs
 
@@ -85,7 +85,7 @@ async def test_a_worker_that_never_answers_is_down_with_a_reason(gateways: list[
     import asyncio
     import socket
 
-    from pdgate.config import HealthConfig
+    from pdgate.core.config import HealthConfig
     from tests.procs import Sim
 
     silent = socket.socket()
@@ -112,7 +112,7 @@ async def test_a_second_gateway_cannot_take_a_live_admin_socket(procs: Procs, ga
     plane, and unlinked it when it stopped. A live socket is now refused; a stale one is still replaced."""
     import pytest
 
-    from pdgate.config import ConfigError
+    from pdgate.core.config import ConfigError
 
     p, d = procs.pair()
     path = str(tmp_path / "admin.sock")
@@ -129,7 +129,7 @@ async def test_a_second_gateway_cannot_take_a_live_admin_socket(procs: Procs, ga
 def test_views_print_values_as_they_are_and_never_cut_one() -> None:
     from rich.console import Console
 
-    from pdgate import views
+    from pdgate.planes import views
 
     long_id = "pdg-0123456789abcdef-00000001940ca33b156d1f04"
     req = {"id": long_id, "phase": "prefill+transfer", "age_s": 3.21, "prefill": "p0", "decode": "d0",
@@ -155,7 +155,7 @@ def test_workers_say_unknown_not_idle_when_a_check_could_not_read_the_counts() -
     (an engine slow to answer ``/metrics`` is not an idle one)."""
     from rich.console import Console
 
-    from pdgate import views
+    from pdgate.planes import views
 
     row = {"id": "d0", "role": "decode", "url": "http://127.0.0.1:1", "degraded": False, "healthy": True,
            "breaker": "closed", "load": 3, "restarts": 0, "queues": {}}

@@ -15,8 +15,8 @@ from aiohttp import web
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pdgate.config import OtelConfig
-from pdgate.otel import Otel
+from pdgate.core.config import OtelConfig
+from pdgate.observe.otel import Otel
 from tests.pdgate.harness import make_config, start_gateway
 from tests.procs import Procs, free_port, wait_http, workers_toml
 
@@ -124,7 +124,7 @@ async def test_otlp_http_export_from_a_real_gateway_process(procs: Procs, tmp_pa
 def test_otel_without_the_extra_is_a_named_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     import builtins
 
-    from pdgate.config import ConfigError
+    from pdgate.core.config import ConfigError
 
     real = builtins.__import__
 
@@ -142,7 +142,7 @@ async def test_stopping_with_the_collector_down_is_bounded() -> None:
     """A collector that is down used to hold the gateway's stop for 7-30 s (the exporter's retries)."""
     import time
 
-    from pdgate import otel
+    from pdgate.observe import otel
 
     dead = free_port()  # nothing listens there
     o = Otel(OtelConfig(enabled=True, endpoint=f"http://127.0.0.1:{dead}/v1/traces"))

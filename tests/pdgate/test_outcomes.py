@@ -15,7 +15,7 @@ import openai
 import orjson
 import pytest
 
-from pdgate.config import HealthConfig, ReconcileConfig
+from pdgate.core.config import HealthConfig, ReconcileConfig
 from tests.engine.simclient import engine_requests, set_faults
 from tests.pdgate.harness import Running, assert_clean, make_config, start_gateway, worker_id
 from tests.procs import Procs, Sim

@@ -7,9 +7,9 @@ import dataclasses
 import random
 import sys
 
-from pdgate import policies
-from pdgate.config import RoutingConfig
-from pdgate.policies import CacheAware, PrefixIndex, RequestView, Session
+from pdgate.core.config import RoutingConfig
+from pdgate.pool import policies
+from pdgate.pool.policies import CacheAware, PrefixIndex, RequestView, Session
 
 
 @dataclasses.dataclass

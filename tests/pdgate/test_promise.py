@@ -85,7 +85,7 @@ SAMPLE = (b'data: {"choices":[{"delta":{"content":"a"}}]}\n\ndata: {"choices":[{
 
 @pytest.mark.parametrize("sep", [b"\n\n", b"\r\n\r\n"])
 def test_framer_decides_per_event_at_every_split(sep: bytes) -> None:
-    from pdgate.relay import Framer  # here, not at the top: the end-to-end tests above also run on cea4624
+    from pdgate.path.relay import Framer  # here, not at the top: the end-to-end tests above also run on cea4624
 
     stream = SAMPLE.replace(b"\n\n", sep)
     for cut in range(1, len(stream)):
@@ -101,7 +101,7 @@ def test_framer_decides_per_event_at_every_split(sep: bytes) -> None:
 
 
 def test_framer_error_events() -> None:
-    from pdgate.relay import Framer
+    from pdgate.path.relay import Framer
 
     fr = Framer()
     assert fr.push(b'data: {"err') == b""

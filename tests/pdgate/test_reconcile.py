@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdgate.config import ReconcileConfig, StoreConfig
+from pdgate.core.config import ReconcileConfig, StoreConfig
 from tests.engine.simclient import engine_requests, gauge, set_faults, wait_gauge
 from tests.pdgate.harness import make_config, start_gateway
 from tests.pdgate.test_outcomes import CHAT, gateway, post
@@ -298,7 +298,7 @@ async def test_count_mode_judges_each_engine_count_once_against_what_we_held_the
     engine count (taken while they ran) is read again by several passes before the next check. Compared with what we
     hold now, each pass saw an excess and the ended streams' rids were re-aborted as drift (found on real vLLM, whose
     counts lag too); judged once, against what we held while it was taken, nothing is drift."""
-    from pdgate.config import HealthConfig
+    from pdgate.core.config import HealthConfig
 
     p, d = procs.pair("--no-extension", "--speed", "15")
     rc = ReconcileConfig(interval_s=0.2, grace_s=0.2, drift_checks=2)

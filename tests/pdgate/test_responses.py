@@ -13,10 +13,10 @@ import openai
 import orjson
 import pytest
 
-from pdgate import responses
-from pdgate.auth import hash_key
-from pdgate.config import DeadlineConfig, KeyConfig, ResponsesConfig
-from pdgate.errors import InvalidField
+from pdgate.apis import responses
+from pdgate.core.config import DeadlineConfig, KeyConfig, ResponsesConfig
+from pdgate.core.errors import InvalidField
+from pdgate.path.auth import hash_key
 from pdgate.store.embedded import EmbeddedStore
 from tests.engine.simclient import set_faults
 from tests.pdgate.harness import Running, assert_clean, make_config, start_gateway
@@ -389,7 +389,7 @@ async def test_two_gateways_on_one_redis_continue_each_others_responses(
         procs: Procs, gateways: list[Any], sdk: Clients) -> None:
     """Stored responses live in the shared store: a conversation begun on one replica goes on on the other, streamed
     or not; a tenant's ids stay its own there too."""
-    from pdgate.config import StoreConfig
+    from pdgate.core.config import StoreConfig
 
     redis = procs.redis()
     p, d = procs.pair()

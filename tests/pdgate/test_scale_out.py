@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdgate.config import hash_key
+from pdgate.core.config import hash_key
 from tests.engine.simclient import engine_requests, gauge, set_faults, wait_gauge
 from tests.pdgate.test_multi import group_members
 from tests.procs import Proc, Procs, Redis, Sim, free_port, wait_http, workers_toml
@@ -186,7 +186,7 @@ async def test_sessions_keep_their_prefill_whichever_process_serves_them(
     what is measured: every process holds the prefills at a capacity of 64 (16 sessions). A learned limit that
     binds spills a round to the other prefill by design (the policies pick among workers with room): from the
     initial 4, 16 sessions at once do that."""
-    from pdgate.config import AdmissionConfig
+    from pdgate.core.config import AdmissionConfig
     from tests.pdgate.harness import make_config, start_gateway
 
     one_p = [procs.sim("prefill"), procs.sim("prefill")]

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdgate.engines.sglang import SGLang, _queues
+from pdgate.adapters.sglang import SGLang, _queues
 
 # GET /v1/loads?include=disagg on real SGLang 0.5.23 (CPU profile), the decode holding 4 requests waiting for KV
 REAL_DECODE = {"timestamp": "2026-12-04T13:53:10+00:00", "version": "0.5.23", "loads": [{

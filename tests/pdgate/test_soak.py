@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from pdgate.config import DeadlineConfig, HealthConfig, ReconcileConfig
+from pdgate.core.config import DeadlineConfig, HealthConfig, ReconcileConfig
 from tests.engine.simclient import set_faults
 from tests.pdgate.harness import make_config, start_gateway
 from tests.pdgate.oracle import OFF, ROUTES, Cluster, Req, check_client, client, lateness, leftovers, sent_by_decodes

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from pdgate.config import ResponsesConfig, StoreConfig
-from pdgate.errors import StoreUnavailable
+from pdgate.core.config import ResponsesConfig, StoreConfig
+from pdgate.core.errors import StoreUnavailable
 from pdgate.store.base import Beat, Store, TenantAsk
 from pdgate.store.embedded import EmbeddedStore
 from pdgate.store.redis import RedisStore

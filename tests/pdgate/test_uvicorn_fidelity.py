@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from pdgate.config import GatewayConfig, HealthConfig, WorkerSpec, validate
+from pdgate.core.config import GatewayConfig, HealthConfig, WorkerSpec, validate
 from tests.pdgate.harness import start_gateway
 from tests.procs import Procs, free_port, wait_http
 

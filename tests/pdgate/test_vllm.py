@@ -14,7 +14,7 @@ import aiohttp
 import openai
 import pytest
 
-from pdgate.config import DeadlineConfig, GatewayConfig, HealthConfig, ReconcileConfig, WorkerSpec, validate
+from pdgate.core.config import DeadlineConfig, GatewayConfig, HealthConfig, ReconcileConfig, WorkerSpec, validate
 from tests.engine.simclient import engine_requests, set_faults
 from tests.pdgate.harness import Running, assert_clean, make_config, start_gateway
 from tests.procs import Procs, Sim
@@ -234,7 +234,7 @@ async def test_a_check_that_could_not_read_the_counts_hides_no_drift(procs: Proc
     gateway ended), then one that cannot. The drift is seen both times and the abort sent again frees the engine.
     Judged by the worker's count read then (``probe_held``): with the last check's (unknown, so 0) it is never seen.
     Checks and passes are driven by hand (both loops at 60 s), so their order is the test's."""
-    from pdgate.reconcile import Reconciler
+    from pdgate.pool.reconcile import Reconciler
 
     env = {"VLLM_SCALE_OUT": "1"}
     p = procs.sim("prefill", *VLLM, env=env)

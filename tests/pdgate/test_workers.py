@@ -10,7 +10,7 @@ import aiohttp
 import aiohttp.web
 import pytest
 
-from pdgate.config import BreakerConfig, HealthConfig
+from pdgate.core.config import BreakerConfig, HealthConfig
 from tests.engine.simclient import engine_requests, set_faults
 from tests.pdgate.harness import assert_clean, start_gateway, worker_id
 from tests.pdgate.test_outcomes import CHAT, LONG_CHAT, STALL, gateway, post, trace
@@ -187,9 +187,9 @@ async def test_health_checks_a_busy_gateway_answers_late_do_not_take_workers_dow
     """A saturated gateway reads every answer late and its timers fire before the reads: the health checks of
     healthy workers time out. Such a check is not counted (``health.late_not_lost``); with that switched off
     (``counted``) the same stalls take both workers down and the stream on them is failed."""
-    from pdgate import health
-    from pdgate.upstream import Upstream
-    from pdgate.workers import State, Worker
+    from pdgate.adapters.upstream import Upstream
+    from pdgate.pool import health
+    from pdgate.pool.workers import State, Worker
 
     p, d = procs.sim("prefill"), procs.sim("decode", "--speed", "15")  # 100 tokens: several seconds of stream
     g = await gateway(gateways, [p], [d], max_attempts=1,
@@ -234,8 +234,8 @@ async def test_checks_that_always_end_late_still_take_a_hung_worker_down(
         procs: Procs, http: aiohttp.ClientSession, gateways: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Forgiving late checks has a bound (health.UNCOUNTED_FACTOR x failures in a row): a worker that never answers
     on a loop that is always late goes down all the same, a little later."""
-    from pdgate import health
-    from pdgate.upstream import LoopLate, Upstream
+    from pdgate.adapters.upstream import LoopLate, Upstream
+    from pdgate.pool import health
 
     p, d = procs.pair()
     g = await gateway(gateways, [p], [d], health=HealthConfig(interval_s=0.1, timeout_s=0.3, failures=2,
@@ -265,9 +265,9 @@ async def test_a_slow_health_answer_from_a_worker_streaming_our_tokens_is_not_co
     """The other half of health.late_not_lost: the loop is on time, but the decode's /health does not answer
     within its timeout while the decode keeps sending our tokens (an SGLang under load answers /health late).
     Not counted; with the mechanism switched off (``counted``) the streaming decode is taken down."""
-    from pdgate import health
-    from pdgate.upstream import Upstream
-    from pdgate.workers import State, Worker
+    from pdgate.adapters.upstream import Upstream
+    from pdgate.pool import health
+    from pdgate.pool.workers import State, Worker
 
     p, d = procs.sim("prefill"), procs.sim("decode", "--speed", "15")
     g = await gateway(gateways, [p], [d], max_attempts=1,
@@ -317,7 +317,7 @@ async def test_an_engine_slow_to_give_its_counts_stays_up_and_serves(
     A decode whose ``/metrics`` (SGLang: ``/v1/loads``) answers 3 s late to checks that wait 1 s comes up, serves
     every request and stays up, its row saying what went unanswered. With the mechanism off (``counted``:
     an unanswered count fails the check, as before) the same decode is never up and the requests fail."""
-    from pdgate.engines import base, sglang, vllm
+    from pdgate.adapters import base, sglang, vllm
     from tests.pdgate.test_vllm import vllm_config
 
     extra = ("--protocol", "vllm") if protocol == "vllm" else ()

@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from pdgate.config import DeadlineConfig, ReconcileConfig
+from pdgate.core.config import DeadlineConfig, ReconcileConfig
 from tests.pdgate.harness import Running, start_gateway
 from tests.real.engines import MSG, SLACK_S, Pair, clean, config, healthy, run_loadtest
 

@@ -25,7 +25,7 @@ import pytest
 
 from engine.sglang import plan as sglang_plan
 from engine.vllm import plan as vllm_plan
-from pdgate.config import DeadlineConfig, GatewayConfig, HealthConfig, WorkerSpec, validate
+from pdgate.core.config import DeadlineConfig, GatewayConfig, HealthConfig, WorkerSpec, validate
 from tests.pdgate.harness import Running
 from tests.procs import ROOT, Proc, free_port
 

@@ -1,0 +1,33 @@
+"""The engine kinds this gateway knows, and one adapter per kind (made on first use). A new engine kind: its
+adapter class in ``KINDS``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from pdgate.adapters.base import Engine
+from pdgate.adapters.sglang import SGLang
+from pdgate.adapters.vllm import VLLM
+
+if TYPE_CHECKING:
+    from pdgate.adapters.upstream import Upstream
+
+Factory = Callable[["Upstream"], Engine]
+KINDS: dict[str, Factory] = {SGLang.kind: SGLang, VLLM.kind: VLLM}  # a new engine kind: its adapter class here
+
+
+class Engines:
+    """One adapter per kind, made on first use, sharing the gateway's transport to the engines."""
+
+    def __init__(self, upstream: Upstream, extra: dict[str, Factory] | None = None) -> None:
+        self.upstream = upstream
+        self.kinds = {**KINDS, **(extra or {})}
+        self.made: dict[str, Engine] = {}
+
+    def __call__(self, name: str) -> Engine:
+        eng = self.made.get(name)
+        if eng is None:
+            eng = self.made[name] = self.kinds[name](self.upstream)
+        return eng
+

@@ -1,0 +1,230 @@
+"""The legs: one attempt's prefill and decode, run over the transport (``upstream.Transport``) as the pair's engine
+adapter says (``pdgate.adapters``: the bodies, at once or in sequence, the merge of the two answers), the decode's
+stream relayed to the client (``pdgate.path.relay``) (``docs/architecture.md``, "One request's way").
+
+Its prefill failing before the first token, or one of its workers lost, cancels the attempt's scope
+(``gate.Lease.scope``: ``Cause.LEG_FAILED`` / ``Cause.WORKER_LOST``), and the request may go on with another pair.
+Whatever ends an attempt early, both legs are aborted on the engines (``pdgate.path.aborts``). A leg that is done gives
+its worker back to the lease at once (``Lease.answered``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from h1lite.client import header_lines
+from h1lite.server import ClientGone
+from pdgate.adapters.upstream import Answer, Upstream, wrap
+from pdgate.core.config import GatewayConfig
+from pdgate.core.errors import UpstreamError, UpstreamStatus, detail_of
+from pdgate.core.record import Attempt, Phase, first_token
+from pdgate.path.aborts import Aborts
+from pdgate.path.gate import Gate, Lease
+from pdgate.path.observers import Observers
+from pdgate.path.relay import relay_stream
+from pdgate.path.scope import Cancelled, Tasks
+
+if TYPE_CHECKING:
+    from pdgate.path.context import Ctx
+    from pdgate.pool.workers import Worker
+
+
+class Flight:
+    """An attempt's legs in flight: the prefill's task while it runs, then its outcome alone (a stream lasts
+    minutes: the task object and its coroutine are let go); the decode's answer, kept open for a deferred abort."""
+
+    __slots__ = ("decode_resp", "lease", "prefill", "prefill_body", "prefill_exc")
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self.prefill: asyncio.Task[bytes] | None = None
+        self.prefill_body = b""
+        self.prefill_exc: BaseException | None = None
+        self.decode_resp: Answer | None = None
+
+    def prefill_done(self, p_task: asyncio.Task[bytes]) -> None:
+        """The prefill task ended (its done callback; also called at the attempt's end if the task is done but
+        the callback has not run yet: the second call is a no-op)."""
+        if self.prefill is not p_task:
+            return
+        self.prefill = None
+        exc = asyncio.CancelledError() if p_task.cancelled() else p_task.exception()
+        self.prefill_exc = exc
+        if exc is None:
+            self.prefill_body = p_task.result()
+        elif not isinstance(exc, asyncio.CancelledError) and not self.lease.att.first_token:
+            self.lease.fail(exc)
+
+    async def prefill_answer(self) -> bytes:
+        """The prefill's answer, waited for if it has not come yet."""
+        task = self.prefill
+        if task is not None:
+            return await task
+        if self.prefill_exc is not None:
+            raise self.prefill_exc
+        return self.prefill_body
+
+
+class Legs:
+    """Runs an attempt's two legs (made once; one ``fly`` per attempt: its legs in flight)."""
+
+    def __init__(self, cfg: GatewayConfig, gate: Gate, up: Upstream, obs: Observers, aborts: Aborts, tasks: Tasks,
+                 kick: Callable[[Worker], None], clock: Callable[[], float]) -> None:
+        self.cfg, self.gate, self.up, self.obs = cfg, gate, up, obs
+        self.aborts, self.tasks, self.kick, self.clock = aborts, tasks, kick, clock
+
+    async def fly(self, ctx: Ctx, lease: Lease) -> bytes:
+        """One attempt's two legs; what they carry and their order are the engine's."""
+        att, (pw, dw) = lease.att, lease.pair
+        legs = Flight(lease)
+        eng = pw.adapter
+        merge = eng.needs_prefill_answer(ctx.route, ctx.body)
+        keep = merge or eng.sequential  # the prefill's answer is needed after it came
+        p_body, d_body = eng.legs(ctx.body, att, pw.spec)
+        att.event(self.clock(), "sent")
+        headers = self.leg_headers(ctx, lease)
+        p_task = legs.prefill = ctx.loop.create_task(self.prefill_leg(ctx, lease, p_body, headers, keep))
+        p_task.add_done_callback(legs.prefill_done)
+        del p_task, p_body  # the legs hold it while it runs
+        self.obs.move(ctx.rec, Phase.PREFILL, self.clock())
+        sending = [d_body]  # the decode leg takes it from here: nobody holds the body once it is sent
+        del d_body
+        ok = False
+        try:
+            try:
+                with lease.scope:  # a worker lost between binding and here: raises at once
+                    if eng.sequential:  # the decode's body is made from the prefill's answer
+                        sending[0] = eng.decode_after(sending[0], await legs.prefill_answer())
+                    body = await self.decode_leg(ctx, att, dw, sending, headers, legs)
+            except Cancelled as c:
+                assert isinstance(c.reason.error, UpstreamError)
+                raise c.reason.error from None
+            if merge:
+                body = eng.merge(await legs.prefill_answer(), body)
+            ok = True
+            if body and ctx.resp is None:
+                usage = eng.usage(body)
+                rec = ctx.rec
+                rec.prompt_tokens, rec.completion_tokens, rec.cached_tokens = usage.prompt, usage.completion, usage.cached
+            return body
+        finally:
+            task: asyncio.Task[bytes] | None = legs.prefill
+            if task is not None and task.done():
+                legs.prefill_done(task)  # its callback may not have run yet
+                task = None
+            if task is not None:
+                lease.running(task)
+            if not ok:
+                self.aborts.legs(att, pw, dw, legs.decode_resp, task)
+            elif task is not None:  # decode finished, the prefill has not answered: a grace period, then its abort
+                timer = ctx.loop.call_later(self.cfg.prefill_grace_s, self.prefill_orphaned, att, pw, task)
+                task.add_done_callback(lambda _: timer.cancel())
+                self.tasks.adopt(task)
+            elif legs.prefill_exc is not None and not isinstance(legs.prefill_exc, asyncio.CancelledError):
+                att.event(self.clock(), "prefill_error_after_first_token", str(legs.prefill_exc))
+
+    def prefill_orphaned(self, att: Attempt, pw: Worker, p_task: asyncio.Task[bytes]) -> None:
+        """Decode finished ``prefill_grace_s`` ago and the prefill has not answered: it is aborted."""
+        if not p_task.done():
+            att.event(self.clock(), "prefill_orphaned", f"no prefill answer {self.cfg.prefill_grace_s:g}s after "
+                      "decode finished")
+            p_task.cancel()
+            self.aborts.leg(att, pw, False)
+
+    def leg_headers(self, ctx: Ctx, lease: Lease) -> bytes:
+        """What both legs carry besides the body, as encoded header lines: the attempt's rid as x-request-id (the
+        engines' logs name it), and W3C trace context: the attempt span's with OpenTelemetry on (an engine's spans
+        join the trace under it), else the client's, passed through."""
+        out = b"x-request-id: %b\r\n" % lease.att.rid.encode()
+        h = ctx.request.headers
+        if lease.span is not None:
+            out += header_lines(self.obs.traceparent(lease.span))
+        elif "traceparent" in h:
+            out += header_lines({k: h[k] for k in ("traceparent", "tracestate") if k in h})
+        return out
+
+    async def prefill_leg(self, ctx: Ctx, lease: Lease, payload: bytes, headers: bytes, keep: bool) -> bytes:
+        att, w = lease.att, lease.pair[0]
+        try:
+            status, body = await self.up.post_read(w.url, ctx.route, payload, headers)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            raise self.leg_failed(w, exc) from None
+        now = self.clock()
+        att.prefill_answered = True
+        att.event(now, "prefill_done", status)
+        if status != 200:
+            raise self.leg_status(w, status, body, now)
+        att.transferred = True
+        w.success(now)
+        w.progress(now)
+        lease.prefill_answered(w, now)  # its part is done: its slot may go to a queued request
+        rec = ctx.rec
+        if not rec.stream and w.adapter.prefill_answer_is_first_token and first_token(rec, now, self.obs.transitions):
+            ctx.watchdog.rearm()  # non-streaming: the prefill computed the first token
+        return body if keep else b""  # kept (in the task) for the life of the request only if needed
+
+    async def decode_leg(self, ctx: Ctx, att: Attempt, w: Worker, sending: list[bytes], headers: bytes,
+                         legs: Flight) -> bytes:
+        """The decode leg; ``sending`` holds the request body, taken out as it is sent (a stream that lasts minutes
+        does not hold it: orjson's output keeps a 4 KiB buffer whatever its length)."""
+        rec = ctx.rec
+        payload = sending.pop()
+        try:
+            if not rec.stream:
+                status, body = await self.up.post_read(w.url, ctx.route, payload, headers)
+                now = self.clock()
+                att.decode_answered = True
+                att.event(now, "decode_headers", status)
+                if status != 200:
+                    raise self.leg_status(w, status, body, now)
+                att.event(now, "decode_done")
+                if first_token(rec, now, self.obs.transitions):
+                    ctx.watchdog.rearm()
+                w.progress(now)
+                w.success(now)
+                return body
+            resp = await self.up.open(w.url, ctx.route, payload, headers)
+            del payload
+            kept = False
+            try:
+                att.decode_answered = True
+                att.event(self.clock(), "decode_headers", resp.status)
+                if resp.status != 200:
+                    raise self.leg_status(w, resp.status, await resp.read(), self.clock())
+                await relay_stream(ctx, att, w, resp, self.clock, self.obs.transitions)
+                w.success(self.clock())
+                return b""
+            except BaseException:
+                if not resp.complete and not att.first_token:  # still open: a deferred abort may wait on it
+                    legs.decode_resp, kept = resp, True
+                raise
+            finally:
+                if not kept:
+                    resp.release()
+        except (asyncio.CancelledError, ClientGone, UpstreamError):
+            raise
+        except Exception as exc:
+            raise self.leg_failed(w, exc) from None
+
+    def leg_failed(self, w: Worker, exc: Exception) -> UpstreamError:
+        """A leg's call failed (connect, reset, a broken or too large answer): its breaker counts it, and its
+        health is checked at once."""
+        err = wrap(exc, w.role, w.id)
+        w.failure(self.clock(), err.message)
+        self.kick(w)
+        return err
+
+    def leg_status(self, w: Worker, status: int, body: bytes, now: float) -> UpstreamStatus:
+        detail = detail_of(body)
+        backoff_s = self.cfg.admission.engine_backoff_s
+        if status in (429, 503) and backoff_s:  # the engine says it is full: no more than it holds, for a while
+            self.gate.cut(w, now + backoff_s)
+        err = UpstreamStatus(f"{w.role} worker {w.id} answered {status}: {detail}", role=w.role, worker=w.id,
+                             upstream_status=status, detail=detail)
+        if err.retryable:
+            w.failure(now, err.message)
+        return err
