@@ -25,11 +25,14 @@ async def ttft_expired(http: aiohttp.ClientSession, url: str) -> str:
         return r.headers["x-request-id"]
 
 
-@pytest.mark.parametrize("deferred", [True, False])
+# Switched off, on the transfer backend that never tells a decode its prefill failed (the sims' NIXL one, as
+# SGLang's NIXL does not): over TCP the aborted prefill's own notice raced the decode's abort, and one run in about
+# sixteen the decode learned first, ended cleanly and leaked nothing, so the switch-off showed no failure.
+@pytest.mark.parametrize(("deferred", "backend"), [(True, "tcp"), (False, "nixl")])
 async def test_a_decode_without_fix_a_is_aborted_once_its_transfer_is_over(
         procs: Procs, http: aiohttp.ClientSession, gateways: list[Any], monkeypatch: pytest.MonkeyPatch,
-        deferred: bool) -> None:
-    p, d = procs.pair("--fixes", "B,C")
+        deferred: bool, backend: str) -> None:
+    p, d = procs.pair("--fixes", "B,C", "--transfer-backend", backend)
     await set_faults(http, p, slow_prefill=2.0)  # each TTFT deadline fires while its decode waits for the KV
     if not deferred:
         monkeypatch.setattr(SGLang, "defers_decode_abort", lambda self, fixes: False)
