@@ -13,6 +13,7 @@ import ipaddress
 import re
 import tomllib
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -223,10 +224,20 @@ class AdminKey:
     hash: str
 
 
+class Role(StrEnum):
+    """A worker's part in a pair (a str: it compares, prints and serializes as its name)."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+ROLES = tuple(Role)
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     url: str
-    role: str
+    role: Role
     bootstrap_port: int | None = None
     engine: str = "sglang"  # its engine kind: the adapter the gateway talks to it through (pdgate.adapters)
 
@@ -403,7 +414,7 @@ def validate(cfg: GatewayConfig) -> GatewayConfig:
         _positive("breaker.failures", cfg.breaker.failures, integer=True)
     with errs:
         _positive("breaker.cooldown_s", cfg.breaker.cooldown_s)
-    for role in ("prefill", "decode"):
+    for role in ROLES:
         for i, w in enumerate(getattr(cfg, role)):
             with errs:
                 validate_worker(w, f"{role}[{i}]")
@@ -551,8 +562,10 @@ ENGINE_KIND = re.compile(r"[a-z][a-z0-9_]{0,31}")
 
 
 def validate_worker(w: WorkerSpec, key: str = "worker") -> WorkerSpec:
-    if w.role not in ("prefill", "decode"):
+    if w.role not in ROLES:
         raise ConfigError(f"{key}.role", w.role, "must be prefill or decode")
+    if type(w.role) is not Role:
+        w = dataclasses.replace(w, role=Role(w.role))
     if not isinstance(w.engine, str) or not ENGINE_KIND.fullmatch(w.engine):
         raise ConfigError(f"{key}.engine", w.engine, "must be an engine kind's name (sglang, vllm)")
     if w.url.startswith("https://"):
@@ -632,7 +645,7 @@ def from_mapping(data: dict[str, Any]) -> GatewayConfig:
             with errs:
                 models[m] = _build(Budgets, v, f"models.{m}.")
     sections["models"] = models
-    for role in ("prefill", "decode"):
+    for role in ROLES:
         items = data.pop(role, [])
         workers = []
         if not isinstance(items, list):
@@ -770,7 +783,7 @@ def parse_prefill_flag(url: str, port: str | None, engine: str = "sglang") -> Wo
         bport = DEFAULT_BOOTSTRAP_PORT if port is None or port in ("", "none") else int(port)
     except ValueError:
         raise ConfigError("--prefill BOOTSTRAP_PORT", port, "must be a TCP port") from None
-    return validate_worker(WorkerSpec(url=url.rstrip("/"), role="prefill", bootstrap_port=bport, engine=engine),
+    return validate_worker(WorkerSpec(url=url.rstrip("/"), role=Role.PREFILL, bootstrap_port=bport, engine=engine),
                            "--prefill")
 
 

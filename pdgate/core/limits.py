@@ -1,5 +1,5 @@
 """A learned concurrency limit per worker: how many of our requests an engine can hold before it queues them
-itself. Pure core (time from the caller); ``workers.Slots.learned`` holds one, ``Worker.limit`` reads it
+itself. Pure core (time from the caller); ``pool.capacity.Slots.learned`` holds one, ``Slots.limit`` reads it
 (docs/architecture.md, "Admission").
 
 An engine's reported ``max_running_requests`` is what its KV memory allows; what its compute serves in time is

@@ -2,7 +2,7 @@
 each attempt a lease (``Lease``) that owns what the attempt holds and gives it all back in one place.
 
 The gate keeps the engines' queues short: each worker takes at most its capacity of our live requests
-(``Worker.limit``: the config's, or the learned limit within the engine's ``max_running_requests``, lowered for a
+(``Slots.limit``: the config's, or the learned limit within the engine's ``max_running_requests``, lowered for a
 while after its 429/503). A request that finds no pair with room waits in the gateway's queue
 (``queueing.FairQueue``: priority, then weighted fair share across tenants, then earliest deadline), in phase
 ``queued``, where its deadline, its client leaving or a drain end it through its cancel scope like anywhere else,
@@ -25,13 +25,14 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from h1lite.client import header_lines
 from pdgate.core.errors import NoHealthyPair, Shed, WorkerLost
 from pdgate.core.queueing import RANKS, Entry, FairQueue, Rates
 from pdgate.core.record import Attempt, Phase, Record
 from pdgate.core.rid import attempt_rid
 from pdgate.path.scope import Cause, Reason, Scope
 from pdgate.pool.routing import Pair, Routing
-from pdgate.pool.workers import State, Worker, moved
+from pdgate.pool.workers import State, Worker
 
 if TYPE_CHECKING:
     from pdgate.core.config import AdmissionConfig
@@ -47,7 +48,7 @@ class Lease:
     """One attempt's holdings, from the gate's grant to ``close`` (module docstring). A worker it is bound to
     tells it when the worker is lost (``lose``: the attempt's scope is cancelled)."""
 
-    __slots__ = ("att", "ctx", "gate", "held", "legs", "ok", "pair", "retrying", "scope", "span")
+    __slots__ = ("att", "ctx", "gate", "headers", "held", "ok", "pair", "retrying", "scope", "span", "tail")
 
     def __init__(self, gate: Gate, ctx: Ctx, n: int, rid: str, pair: Pair) -> None:
         self.gate, self.ctx, self.pair = gate, ctx, pair
@@ -58,8 +59,9 @@ class Lease:
         self.att = att = Attempt(n=n, rid=rid, prefill=pw.id, decode=dw.id)
         rec.attempts.append(att)
         self.span: Any = None  # its OpenTelemetry span (None without otel)
-        self.held = [pw, dw]  # bound, with a slot taken here and in the store
-        self.legs: list[asyncio.Future[Any]] = []  # legs that outlive the attempt: the rid stays until they end
+        self.held: dict[str, Worker] | None = {pw.id: pw, dw.id: dw}  # bound, a slot taken here and in the store
+        self.tail: asyncio.Future[Any] | None = None  # a leg that outlives the attempt (set by the legs): the
+        # rid stays recorded until it ends
         self.ok = False  # the attempt succeeded (the routing policies hear it)
         self.retrying = False  # another attempt follows: it takes its slot before the queue does
         pw.bind(self, now)
@@ -77,6 +79,15 @@ class Lease:
         gate.obs.move(rec, Phase.DISPATCHED, now)
         self.span = gate.obs.attempt_started(ctx, att, now)
         self.scope = Scope(ctx.scope.task)  # the attempt's own, inside the request's (nothing awaited before it)
+        # what both legs carry besides the body: the rid as x-request-id (the engines' logs name it), and W3C trace
+        # context: the attempt span's with OpenTelemetry on (an engine's spans join the trace under it), else the
+        # client's, passed through
+        self.headers = b"x-request-id: %b\r\n" % rid.encode()
+        h = ctx.request.headers
+        if self.span is not None:
+            self.headers += header_lines(gate.obs.traceparent(self.span))
+        elif "traceparent" in h:
+            self.headers += header_lines({k: h[k] for k in ("traceparent", "tracestate") if k in h})
 
     def __enter__(self) -> Lease:
         return self
@@ -98,35 +109,33 @@ class Lease:
         self.scope.cancel(Reason(Cause.LEG_FAILED, error=exc))
 
     # ---- what the legs give back
-    def running(self, leg: asyncio.Future[Any]) -> None:
-        """``leg`` (a task of its own) outlives the attempt: the rid stays recorded until it ends."""
-        self.legs.append(leg)
-
     def prefill_answered(self, w: Worker, now: float) -> None:
-        """The prefill answered 200: its learned limit's sample (``Gate.prefill_answered``), then its worker given
-        back (``done_on``), the sample in before a queued request takes the slot."""
-        self.gate.prefill_answered(w, self.ctx.rec, now)
-        self.done_on(w)
-
-    def done_on(self, w: Worker) -> None:
-        """``w``'s leg is done: it no longer holds the attempt (load, stall and restart checks), its slot goes back
-        and may go to a queued request."""
-        if self.held is not None and w in self.held:  # closed: it went back with the rest
-            self.held.remove(w)
+        """The prefill answered 200: its latency, dispatch to its own answer whatever the engine, is its learned
+        limit's sample; then it no longer holds the attempt (load, stall and restart checks) and its slot goes
+        back, where a queued request may take it (the sample in first). A first token would also hold the decode's
+        step (a paced decode's next tick: 56 ms on a prefill answering in 2 ms, and the prefill's limit fell to 1)
+        and, on vLLM, the decode's wait for the KV and the transfer (over NIXL on a busy CPU 0.03-11.7 s: learned
+        from that, a pair that serves four at once served one)."""
+        gate, rec, held = self.gate, self.ctx.rec, self.held
+        if gate.learning and rec.dispatched_at is not None:
+            w.slots.sample(now - rec.dispatched_at, rec.deadlines.ttft_s, now)
+        if held is not None and held.pop(w.id, None) is not None:  # closed: it went back with the rest
             w.unbind(self)
-            self.gate.give_back((w.id,))
+            gate.give_back((w.id,))
 
     def close(self) -> None:
         """Everything still held, given back (a second close does nothing)."""
         held, gate = self.held, self.gate
         if held is None:
             return
-        self.held = None  # type: ignore[assignment]
-        for w in held:
+        self.held = None
+        for w in held.values():
             w.unbind(self)
         rid = self.att.rid
-        tail = next((t for t in self.legs if not t.done()), None)  # a leg not ended: the rid stays until it has
-        gate.give_back(tuple(w.id for w in held), "" if tail is not None else rid, ended=True, pump=not self.retrying)
+        tail = self.tail
+        if tail is not None and tail.done():
+            tail = None
+        gate.give_back(tuple(held), "" if tail is not None else rid, ended=True, pump=not self.retrying)
         if tail is not None:
             tail.add_done_callback(lambda _: gate.give_back((), rid, pump=False))
         pw, dw = self.pair
@@ -166,24 +175,11 @@ class Gate:
         if to is Phase.DECODE and frm is Phase.PREFILL and rec.dispatched_at is not None:
             self.rates.first_token(rec.phase_since + spent - rec.dispatched_at)
 
-    def prefill_answered(self, w: Worker, rec: Record, now: float) -> None:
-        """The prefill's latency sample for its learned limit: dispatch to its own answer, whatever the engine. Its
-        first token would also hold the decode's step (a paced decode's next tick: 56 ms on a prefill answering in
-        2 ms, and the prefill's limit fell to 1) and, on vLLM, the decode's wait for the KV and the transfer (over
-        NIXL on a busy CPU 0.03-11.7 s: learned from that, a pair that serves four at once served one)."""
-        if self.learning and rec.dispatched_at is not None:
-            self.learn(w.id, now - rec.dispatched_at, rec.deadlines.ttft_s, now)
-
-    def learn(self, wid: str, latency: float, budget: float, now: float) -> None:
-        w = self.routing.pool.by_id.get(wid)
-        if w is not None and (lim := w.slots.learned) is not None:
-            moved(w, lim.sample(latency, budget, now, w.engine_max))
-
     def held_back(self, now: float) -> None:
         """A request queues: the learned limits of the workers that are full are binding."""
         for w in self.routing.pool.by_id.values():
-            if (lim := w.slots.learned) is not None and not w.has_room(now):
-                moved(w, lim.held_back(now, w.engine_max))
+            if w.slots.learned is not None and not w.has_room(now):
+                w.slots.held_back(now)
 
     def pick(self, avoid: frozenset[int], view: RequestView, limited: bool = True) -> Pair | None:
         return self.routing.pick(avoid, view, self.clock(), limited)
@@ -203,8 +199,8 @@ class Gate:
             pair = await self.local_pair(ctx, avoid, retry)
             pw, dw = pair
             on = self.cfg.enabled  # admission off: capacities are not held to (today's routers)
-            grant = await self.store.acquire(ask, ((pw.id, pw.capacity if on else None),
-                                                   (dw.id, dw.capacity if on else None)), self.clock(), rid)
+            grant = await self.store.acquire(ask, ((pw.id, pw.slots.capacity if on else None),
+                                                   (dw.id, dw.slots.capacity if on else None)), self.clock(), rid)
             for w in pair:
                 if w.id in grant.others:
                     w.slots.others = grant.others[w.id]

@@ -15,7 +15,7 @@ from typing import Any
 
 from pdgate.adapters.kinds import Engines, Factory
 from pdgate.adapters.upstream import Transport, Upstream
-from pdgate.core.config import AdmissionConfig, ConfigError, GatewayConfig, policy_names
+from pdgate.core.config import AdmissionConfig, ConfigError, GatewayConfig, Role, policy_names
 from pdgate.core.limits import LimitRules
 from pdgate.core.rid import Ids
 from pdgate.observe import otel
@@ -34,9 +34,10 @@ from pdgate.path.proxy import Pipeline
 from pdgate.path.responses_routes import ResponsesRoute
 from pdgate.path.scope import Tasks
 from pdgate.pool import policies
+from pdgate.pool.capacity import CONN_HEADROOM, UNKNOWN_MAX
 from pdgate.pool.health import Health
 from pdgate.pool.routing import Routing
-from pdgate.pool.workers import CONN_HEADROOM, UNKNOWN_MAX, Pool, State, Worker
+from pdgate.pool.workers import Pool, State, Worker
 from pdgate.store import kinds as store_kinds
 
 log = logging.getLogger("pdgate")
@@ -48,7 +49,7 @@ def limit_rules(a: AdmissionConfig) -> dict[str, LimitRules] | None:
     reader's pace as much as its own)."""
     if not a.learns:
         return None
-    return {"prefill": LimitRules(initial=a.learn_initial, cap=a.learn_cap or None, tolerance=a.learn_tolerance,
+    return {Role.PREFILL: LimitRules(initial=a.learn_initial, cap=a.learn_cap or None, tolerance=a.learn_tolerance,
                                   window_s=a.learn_window_s)}
 
 
@@ -97,15 +98,15 @@ class Gateway:
             except KeyError:
                 raise ConfigError(f"{spec.role}.engine", spec.engine, "no such engine kind; known: "
                                   + ", ".join(sorted(self.adapters.kinds))) from None
-        self.metrics.add_collector(lambda: policy_families({"prefill": self.routing.prefill,
-                                                            "decode": self.routing.decode}))
+        self.metrics.add_collector(lambda: policy_families({Role.PREFILL: self.routing.prefill,
+                                                            Role.DECODE: self.routing.decode}))
         self.metrics.add_collector(lambda: worker_families(
             list(self.pool.by_id.values()), self.now(), self.traces.oldest_age(self.now()),
             self.upstream.client.stale_retries))
 
     def _probed(self, w: Worker) -> None:
         """A health check passed: its connections follow what it can run now (never below its limit)."""
-        self.upstream.conns(w.url, max(self.cfg.upstream_max_conns, w.conns()))
+        self.upstream.conns(w.url, max(self.cfg.upstream_max_conns, w.slots.conns()))
 
     def _on_worker(self, w: Worker, frm: State, to: State, cause: str) -> None:
         """What follows a worker's move, in one place: its live requests failed over at once when it goes

@@ -5,7 +5,7 @@ stream relayed to the client (``pdgate.path.relay``) (``docs/architecture.md``, 
 Its prefill failing before the first token, or one of its workers lost, cancels the attempt's scope
 (``gate.Lease.scope``: ``Cause.LEG_FAILED`` / ``Cause.WORKER_LOST``), and the request may go on with another pair.
 Whatever ends an attempt early, both legs are aborted on the engines (``pdgate.path.aborts``). A leg that is done gives
-its worker back to the lease at once (``Lease.answered``).
+its worker back to the lease at once (``Lease.prefill_answered``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from h1lite.client import header_lines
 from h1lite.server import ClientGone
 from pdgate.adapters.upstream import Answer, Upstream, wrap
 from pdgate.core.config import GatewayConfig
@@ -84,7 +83,7 @@ class Legs:
         keep = merge or eng.sequential  # the prefill's answer is needed after it came
         p_body, d_body = eng.legs(ctx.body, att, pw.spec)
         att.event(self.clock(), "sent")
-        headers = self.leg_headers(ctx, lease)
+        headers = lease.headers
         p_task = legs.prefill = ctx.loop.create_task(self.prefill_leg(ctx, lease, p_body, headers, keep))
         p_task.add_done_callback(legs.prefill_done)
         del p_task, p_body  # the legs hold it while it runs
@@ -114,8 +113,7 @@ class Legs:
             if task is not None and task.done():
                 legs.prefill_done(task)  # its callback may not have run yet
                 task = None
-            if task is not None:
-                lease.running(task)
+            lease.tail = task  # a prefill that outlives the attempt keeps its rid recorded until it ends
             if not ok:
                 self.aborts.legs(att, pw, dw, legs.decode_resp, task)
             elif task is not None:  # decode finished, the prefill has not answered: a grace period, then its abort
@@ -132,18 +130,6 @@ class Legs:
                       "decode finished")
             p_task.cancel()
             self.aborts.leg(att, pw, False)
-
-    def leg_headers(self, ctx: Ctx, lease: Lease) -> bytes:
-        """What both legs carry besides the body, as encoded header lines: the attempt's rid as x-request-id (the
-        engines' logs name it), and W3C trace context: the attempt span's with OpenTelemetry on (an engine's spans
-        join the trace under it), else the client's, passed through."""
-        out = b"x-request-id: %b\r\n" % lease.att.rid.encode()
-        h = ctx.request.headers
-        if lease.span is not None:
-            out += header_lines(self.obs.traceparent(lease.span))
-        elif "traceparent" in h:
-            out += header_lines({k: h[k] for k in ("traceparent", "tracestate") if k in h})
-        return out
 
     async def prefill_leg(self, ctx: Ctx, lease: Lease, payload: bytes, headers: bytes, keep: bool) -> bytes:
         att, w = lease.att, lease.pair[0]

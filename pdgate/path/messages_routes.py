@@ -23,6 +23,7 @@ import orjson
 from h1lite.server import Request, Response, Stream, json_response
 from pdgate.apis import anthropic
 from pdgate.apis.responses import dropped_header
+from pdgate.core.config import Role
 from pdgate.core.errors import UpstreamError
 from pdgate.core.validation import CHAT, parse_body
 from pdgate.path.auth import Tenant
@@ -91,7 +92,7 @@ class MessagesRoute:
                 obj = anthropic.answer(body, answer.body, message_id(rec.id))
             except (orjson.JSONDecodeError, AttributeError, TypeError, KeyError, IndexError):
                 log.warning("request %s: the engine's chat answer could not be read as one", rec.id)
-                raise UpstreamError("the decode's answer is not a chat completion", role="decode") from None
+                raise UpstreamError("the decode's answer is not a chat completion", role=Role.DECODE) from None
             return json_response(obj, headers=headers)
         if answer.status < 400:
             return answer
@@ -111,7 +112,7 @@ class MessagesRoute:
         chat["model"] = self.pipeline.admission.model_for(chat["model"], tenant)
         now = self.clock()
         model = chat["model"]
-        for w in self.pool.available("prefill", now)[:2]:
+        for w in self.pool.available(Role.PREFILL, now)[:2]:
             if w.info.models and model not in w.info.models:
                 continue
             n = await w.adapter.count_tokens(w.url, chat, COUNT_TIMEOUT_S)

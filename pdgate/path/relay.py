@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pdgate.adapters.upstream import Answer
+from pdgate.core.config import Role
 from pdgate.core.errors import UpstreamError, UpstreamStatus, detail_of
 from pdgate.core.record import Observer, first_token
 from pdgate.pool.workers import State
@@ -142,7 +143,7 @@ class Relay:
         if out is None:
             if fr.first_error:  # failed before anything reached the client: retryable
                 detail = detail_of(events[6:].split(fr.sep, 1)[0])
-                raise UpstreamStatus(f"decode worker {w.id} failed: {detail}", role="decode", worker=w.id,
+                raise UpstreamStatus(f"decode worker {w.id} failed: {detail}", role=Role.DECODE, worker=w.id,
                                      upstream_status=500)
             rec = ctx.rec
             self.att.event(now, "first_token")
@@ -178,4 +179,4 @@ async def relay_stream(ctx: Ctx, att: Attempt, w: Worker, resp: Answer, clock: C
     await resp.pipe(relay.feed)
     att.event(clock(), "decode_done", ctx.rec.chunks)
     if not relay.framer.done:
-        raise UpstreamError(f"decode worker {w.id} closed the stream before [DONE]", role="decode", worker=w.id)
+        raise UpstreamError(f"decode worker {w.id} closed the stream before [DONE]", role=Role.DECODE, worker=w.id)

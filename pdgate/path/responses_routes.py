@@ -22,6 +22,7 @@ import orjson
 
 from h1lite.server import Request, Response, Stream, json_response
 from pdgate.apis import responses
+from pdgate.core.config import Role
 from pdgate.core.errors import NotFound, UpstreamError
 from pdgate.core.validation import CHAT, parse_body
 from pdgate.path.auth import Tenant
@@ -113,7 +114,7 @@ class ResponsesRoute:
                 obj, _ = responses.answer(body, answer.body, rid, int(rec.created_wall))
             except (orjson.JSONDecodeError, AttributeError, TypeError, KeyError, IndexError):
                 log.warning("request %s: the engine's chat answer could not be read as one", rec.id)
-                raise UpstreamError("the decode's answer is not a chat completion", role="decode") from None
+                raise UpstreamError("the decode's answer is not a chat completion", role=Role.DECODE) from None
             await self.keep(tenant, body, rec, obj, history + turn)
             return json_response(obj, headers=headers)
         if stream and answer.status >= 400 and answer.status != 499 and "Retry-After" not in answer.headers:

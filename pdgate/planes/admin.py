@@ -21,6 +21,7 @@ from h1lite.server import Request, Response, Stream, json_response
 from pdgate.adapters import Probe
 from pdgate.core.config import (
     ConfigError,
+    Role,
     WorkerSpec,
     host_allowed,
     parse_prefill_flag,
@@ -36,6 +37,7 @@ from pdgate.core.errors import (
     WorkerUnreachable,
 )
 from pdgate.core.record import LIVE, Record, phase_label
+from pdgate.core.validation import parse_body
 from pdgate.observe import traces
 from pdgate.path.auth import Admin, Tenant
 from pdgate.path.gateway import Gateway
@@ -97,10 +99,9 @@ def target_of(request: Request) -> str:
     if "id" in request.match:
         return quote(request.match["id"], safe="")[:100]  # one token: nothing in it can forge the line
     try:
-        body = orjson.loads(request.body)
-    except orjson.JSONDecodeError:
+        url = parse_body(request.body).get("url")
+    except BadRequest:
         return "-"
-    url = body.get("url") if isinstance(body, dict) else None
     return quote(url, safe=":/[]")[:100] if isinstance(url, str) else "-"
 
 
@@ -141,8 +142,10 @@ def registration(ctl: Control, body: dict[str, Any]) -> WorkerSpec:
         if role == "prefill":
             bport = body.get("bootstrap_port")
             spec = parse_prefill_flag(url, None if bport is None else str(bport), kind)
+        elif role == "decode":
+            spec = validate_worker(WorkerSpec(url=url, role=Role.DECODE, engine=kind))
         else:
-            spec = validate_worker(WorkerSpec(url=url, role=str(role), engine=kind))
+            raise ConfigError("role", role, "must be prefill or decode")
     except (ConfigError, ValueError, TypeError) as exc:
         raise BadRequest(str(exc)) from None
     if spec.engine not in gw.adapters.kinds:
@@ -340,13 +343,7 @@ async def read_json(request: Request) -> dict[str, Any]:
     ctype = request.headers.get("content-type", "")
     if not ctype.split(";", 1)[0].strip().lower() == "application/json":  # a form a web page can post is not JSON
         raise BadRequest("the body must be sent as Content-Type: application/json")
-    try:
-        body = orjson.loads(request.body)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"invalid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("body must be a JSON object")
-    return body
+    return parse_body(request.body)
 
 
 # (method, path, handler, audited action or None)

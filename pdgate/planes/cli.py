@@ -195,7 +195,7 @@ def build_config(args: argparse.Namespace) -> config.GatewayConfig:
         if len(item) > 2:
             raise config.ConfigError("--prefill", item, "takes URL and an optional BOOTSTRAP_PORT")
         prefill.append(config.parse_prefill_flag(item[0], item[1] if len(item) > 1 else None))
-    decode = [config.validate_worker(config.WorkerSpec(url=u.rstrip("/"), role="decode"), "--decode") for u in args.decode]
+    decode = [config.validate_worker(config.WorkerSpec(url=u.rstrip("/"), role=config.Role.DECODE), "--decode") for u in args.decode]
     if args.admin_key_file:
         cfg = config.with_key_files(dataclasses.replace(cfg, admin_key_file=args.admin_key_file))
     aliases = {}

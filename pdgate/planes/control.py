@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from pdgate.core.config import GatewayConfig, WorkerSpec, worker_hosts_allowed
+from pdgate.core.config import GatewayConfig, Role, WorkerSpec, worker_hosts_allowed
 from pdgate.observe.metrics import FLUSH_S, SharedFiles
 from pdgate.path.gateway import Gateway
 from pdgate.pool.lineage import RECORD_S, Lineage
@@ -236,7 +236,7 @@ class Control:
             if wid in pool.by_id:
                 continue
             try:
-                w = pool.add(WorkerSpec(url=s["url"], role=s["role"], bootstrap_port=s.get("bootstrap_port"),
+                w = pool.add(WorkerSpec(url=s["url"], role=Role(s["role"]), bootstrap_port=s.get("bootstrap_port"),
                                         engine=s.get("engine", "sglang")), wid)
             except (ValueError, KeyError, TypeError) as exc:
                 log.warning("could not route to the store's worker %s (%s): %s", wid, s.get("url"), exc)
@@ -256,8 +256,7 @@ class Control:
             if ctx.holds and ctx.tenant is not None:
                 tenants[ctx.tenant.name] = tenants.get(ctx.tenant.name, 0) + 1
         now = gw.now()
-        limits = {w.id: w.slots.learned.value(w.engine_max) for w in gw.pool.by_id.values()
-                  if w.slots.learned is not None and w.slots.learned.measured(now)}  # measured: others take it
+        limits = {w.id: v for w in gw.pool.by_id.values() if (v := w.slots.measured(now)) is not None}  # others take it
         info = {**self.reachable, "state": "draining" if self.draining else "live", "pid": os.getpid(),
                 "host": socket.gethostname(), "limits": limits}
         return Beat(info, rids, {w.id: len(w.bound) for w in gw.pool.by_id.values()}, tenants)

@@ -44,6 +44,8 @@ from h1lite.client import Client
 from h1lite.errors import HTTPError
 from h1lite.server import Request, Response, Router, Server, json_response
 from pdgate.core.config import ConfigError, GatewayConfig, StoreConfig
+from pdgate.core.errors import BadRequest
+from pdgate.core.validation import parse_body
 from pdgate.observe.metrics import process_gone
 from pdgate.planes.redis_server import RedisServer, registered
 
@@ -113,10 +115,10 @@ class SupervisorServer:
 
     async def restart(self, req: Request) -> Response:
         try:
-            body = orjson.loads(req.body or b"{}")
-        except orjson.JSONDecodeError:
-            body = None
-        if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+            body = parse_body(req.body or b"{}")
+        except BadRequest:
+            body = {}
+        if not isinstance(body.get("url"), str):
             return error(400, 'the body must be {"url": "<worker url>"}', "bad_request")
         try:
             return json_response(await self.supervised.restart_url(body["url"]))

@@ -35,7 +35,7 @@ from h1lite.server import Request, Response, Router, Server, Stream, json_respon
 from pdgate.apis import anthropic
 from pdgate.apis.responses import RESPONSES
 from pdgate.core import validation
-from pdgate.core.config import ConfigError, GatewayConfig, is_loopback
+from pdgate.core.config import ConfigError, GatewayConfig, Role, is_loopback
 from pdgate.core.errors import Forbidden, Unauthorized, one_line
 from pdgate.observe import access_log
 from pdgate.path.auth import Admin, Tenant, bearer
@@ -64,8 +64,8 @@ async def readiness(ctl: Control, request: Request) -> Response:
     gw = ctl.gw
     now = gw.now()
     ready = gw.pool.ready(now)
-    body = {"ready": ready, "prefill_available": len(gw.pool.available("prefill", now)),
-            "decode_available": len(gw.pool.available("decode", now))}
+    body = {"ready": ready, "prefill_available": len(gw.pool.available(Role.PREFILL, now)),
+            "decode_available": len(gw.pool.available(Role.DECODE, now))}
     return json_response(body, 200 if ready else 503)
 
 

@@ -120,10 +120,10 @@ class Supervised:
 
 def gateway_config(base: config.GatewayConfig, sup: Supervisor, host: str | None, port: int | None,
                    admin: dict[str, Any] | None = None) -> config.GatewayConfig:
-    prefill = tuple(config.WorkerSpec(url=c.spec.url, role="prefill", bootstrap_port=c.spec.bootstrap_port,
+    prefill = tuple(config.WorkerSpec(url=c.spec.url, role=config.Role.PREFILL, bootstrap_port=c.spec.bootstrap_port,
                                       engine=c.spec.kind)
                     for c in sup.children.values() if c.spec.role == "prefill")
-    decode = tuple(config.WorkerSpec(url=c.spec.url, role="decode", engine=c.spec.kind)
+    decode = tuple(config.WorkerSpec(url=c.spec.url, role=config.Role.DECODE, engine=c.spec.kind)
                    for c in sup.children.values() if c.spec.role == "decode")
     return config.override(dataclasses.replace(base, prefill=prefill, decode=decode), host=host, port=port,
                            **(admin or {}))

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pdgate.adapters import Probe
 from pdgate.core.config import HealthConfig
 from pdgate.core.errors import one_line
-from pdgate.pool.workers import Breaker, Pool, State, Worker, moved
+from pdgate.pool.workers import Breaker, Pool, State, Worker
 
 log = logging.getLogger("pdgate.health")
 UNCOUNTED_FACTOR = 2  # timed-out checks in a row forgiven: this many times health.failures, then they count
@@ -77,8 +77,7 @@ class Health:
         w.checks.failures = 0
         w.checks.last_error = None if p.partial is None else f"{p.partial} (up: its counts read unknown)"
         now = self.clock()
-        if w.slots.learned is not None:
-            moved(w, w.slots.learned.queue(p.waiting, now, w.engine_max))
+        w.slots.queued(p.waiting, now)
         self.probed(w)
         if restarted:
             w.restarts += 1

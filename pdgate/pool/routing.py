@@ -3,6 +3,7 @@ them (``pdgate.pool.policies``). Both workers of a pair are of one engine kind."
 
 from __future__ import annotations
 
+from pdgate.core.config import Role
 from pdgate.pool.policies import Policy, RequestView, select_pair
 from pdgate.pool.workers import Pool, Worker
 
@@ -17,7 +18,7 @@ class Routing:
         """A pair by the policies among available workers (``limited``: only those below their limit)."""
         among = self.pool.with_room if limited else self.pool.available
         same = same_kind if self.pool.mixed else None  # pools of two kinds: a decode of the prefill's kind
-        return select_pair(among("prefill", now), among("decode", now), self.prefill, self.decode, avoid, view, same)
+        return select_pair(among(Role.PREFILL, now), among(Role.DECODE, now), self.prefill, self.decode, avoid, view, same)
 
     def ready(self, now: float) -> bool:
         return self.pool.ready(now)
@@ -32,7 +33,7 @@ class Routing:
 
     def forget(self, w: Worker) -> None:
         """Whatever ``w`` held is gone (it restarted, or was removed): the policies forget it."""
-        (self.prefill if w.role == "prefill" else self.decode).forget(w.id)
+        (self.prefill if w.role == Role.PREFILL else self.decode).forget(w.id)
 
 
 def same_kind(p: Worker, d: Worker) -> bool:

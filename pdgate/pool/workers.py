@@ -17,27 +17,19 @@ path feed it; pair selection reads ``available``.
 from __future__ import annotations
 
 import enum
-import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from pdgate.adapters.base import Probe
-from pdgate.core.config import BreakerConfig, WorkerSpec
-from pdgate.core.limits import Lag, Limiter, LimitRules, Move
+from pdgate.core.config import ROLES, BreakerConfig, Role, WorkerSpec
+from pdgate.core.limits import Lag, Limiter, LimitRules
+from pdgate.pool.capacity import Slots
 
 if TYPE_CHECKING:
     from pdgate.adapters.base import Engine
 
-
-log = logging.getLogger("pdgate.limits")
-
-
-def moved(w: Worker, m: Move | None) -> None:
-    """A learned limit that halved or doubled says so in the log."""
-    if m is not None and m.large:
-        log.info("worker %s: learned limit %d -> %d (%s)", w.id, m.before, m.after, m.why)
 
 
 class Breaker(enum.Enum):
@@ -128,25 +120,6 @@ class Checks:
     last_error: str | None = None
 
 
-@dataclass(slots=True)
-class Slots:
-    """What admission control keeps of a worker: how many of our live requests it may hold."""
-
-    configured: int | None = None  # the config's capacity (None: none set)
-    reported: int | None = None  # what the engine reports it runs at most (Probe.capacity)
-    reserved: int = 0  # slots handed to queued requests that have not bound yet
-    cut_until: float = 0.0  # after its 429/503: no more than it holds until then
-    foreign: int = 0  # requests the engine holds beyond what gateways sharing our store hold (direct clients)
-    others: int = 0  # what the other gateway processes sharing our store hold on it (pdgate.store)
-    share: int = 1  # the store unreachable: its capacity is divided among this many instances, last seen
-    learned: Limiter | None = None  # the limit learned from what it serves in time (pdgate.core.limits; None: off)
-    peers: int | None = None  # the least limit other gateway processes sharing our store learned of it lately
-
-
-UNKNOWN_MAX = 4096  # an engine that reports no maximum: the most of our requests (and connections) it is given
-CONN_HEADROOM = 64  # connections to an engine beyond what it runs: health checks, aborts, a leg ending
-
-
 @dataclass(eq=False)
 class Worker:
     id: str
@@ -172,7 +145,7 @@ class Worker:
     reaped: dict[str, int] = field(default_factory=dict)  # gone gateway instance -> its rids aborted here (bounded)
 
     @property
-    def role(self) -> str:
+    def role(self) -> Role:
         return self.spec.role
 
     @property
@@ -185,46 +158,12 @@ class Worker:
         s = self.slots
         return len(self.bound) + s.reserved + s.others
 
-    @property
-    def capacity(self) -> int | None:
-        """The most requests it runs for all gateway processes: the config's capacity, else the learned limit
-        (within the engine's reported maximum), else the engine's maximum."""
-        s = self.slots
-        if s.configured:
-            cap: int | None = s.configured
-        elif s.learned is not None:  # one figure for every process: the least any of them measured lately
-            cap = s.learned.value(self.engine_max)
-            if s.peers is not None:
-                cap = min(cap, s.peers)
-        else:
-            cap = s.reported
-        return cap if cap is None or s.share == 1 else max(1, cap // s.share)
-
-    @property
-    def engine_max(self) -> int:
-        """The most the engine runs as it reports it (``UNKNOWN_MAX`` where it reports none)."""
-        return self.slots.reported or UNKNOWN_MAX
-
-    def conns(self) -> int:
-        """Connections its engine is given: what it can run (as configured, reported or, reporting nothing,
-        ``UNKNOWN_MAX``), never fewer than the learned limit, plus headroom."""
-        s = self.slots
-        return max(s.configured or self.engine_max, self.capacity or 0) + CONN_HEADROOM
-
     def limit(self, now: float) -> int | None:
-        """How many of our requests it may hold now: its capacity less what the engine holds for others, lowered
-        to what it holds (at least one) for a while after the engine said 429/503."""
-        cap = self.capacity
-        foreign = self.slots.foreign
-        if cap is not None and foreign:  # slots others use are not ours to fill
-            cap = max(1, cap - foreign)
-        if now < self.slots.cut_until:
-            held = max(1, self.load)
-            return held if cap is None else min(cap, held)
-        return cap
+        """How many of our requests it may hold now (``Slots.limit``)."""
+        return self.slots.limit(now, self.load)
 
     def has_room(self, now: float) -> bool:
-        lim = self.limit(now)
+        lim = self.slots.limit(now, self.load)
         return lim is None or self.load < lim
 
     @property
@@ -309,9 +248,7 @@ class Worker:
             "last_error": self.checks.last_error, "queues": info.queues,
             "counts_unknown": info.partial is not None, "orphans": self.orphans, "drift": self.drift,
             "reaped": dict(self.reaped),
-            "capacity": self.limit(now), "engine_max": self.slots.reported, "configured": self.slots.configured,
-            "learned": ({**self.slots.learned.view(self.engine_max), "peers": self.slots.peers}
-                        if self.slots.learned else None),
+            **self.slots.view(now, self.load),
         }
 
 
@@ -332,7 +269,7 @@ class Pool:
         self.by_id: dict[str, Worker] = {}
         self.prefill: list[Worker] = []
         self.decode: list[Worker] = []
-        self._seq = {"prefill": 0, "decode": 0}  # the next id's number, by role
+        self._seq = dict.fromkeys(ROLES, 0)  # the next id's number, by role
         self.mixed = False  # workers of more than one engine kind (a pair is always of one kind)
         self.adapters: tuple[Engine, ...] = ()  # the adapters of the kinds registered
 
@@ -350,7 +287,7 @@ class Pool:
         self._seq[spec.role] = max(self._seq[spec.role], int(wid[1:]) + 1)
         rules = None if self._capacity or self._rules is None else self._rules.get(spec.role)
         w = Worker(wid, spec, CircuitBreaker(self._breaker), engine, self.observers,
-                   slots=Slots(configured=self._capacity, learned=Limiter(rules, self.lag) if rules else None))
+                   slots=Slots(wid, configured=self._capacity, learned=Limiter(rules, self.lag) if rules else None))
         self.by_id[wid] = w
         getattr(self, spec.role).append(w)
         self._kinds()
@@ -377,15 +314,15 @@ class Pool:
     def _refresh_models(self) -> None:
         self._models = self._configured | {m for w in self.by_id.values() for m in w.info.models}
 
-    def available(self, role: str, now: float) -> list[Worker]:
+    def available(self, role: Role, now: float) -> list[Worker]:
         return [w for w in getattr(self, role) if w.available(now)]
 
-    def with_room(self, role: str, now: float) -> list[Worker]:
+    def with_room(self, role: Role, now: float) -> list[Worker]:
         """Available workers that may take one more of our requests (admission control)."""
         return [w for w in getattr(self, role) if w.available(now) and w.has_room(now)]
 
     def ready(self, now: float) -> bool:
-        return bool(self.available("prefill", now)) and bool(self.available("decode", now))
+        return bool(self.available(Role.PREFILL, now)) and bool(self.available(Role.DECODE, now))
 
     def models(self) -> frozenset[str]:
         """Models served by the workers or named in the config."""

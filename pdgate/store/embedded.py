@@ -1,7 +1,7 @@
 """The embedded store: one process's limits in its own memory (no new dependency, nothing shared).
 
 Live requests per tenant are counted here and requests and tokens per minute are token buckets
-(``Bucket``); a worker's capacity is the local pool's own count (``Worker.limit``), so slots are taken by
+(``Bucket``); a worker's capacity is the local pool's own count (``Slots.limit``), so slots are taken by
 the gate's pick alone. The registry knows this instance only: another instance's rids are never taken for a
 dead one's (nothing here could say it is dead). The Redis store (``store/redis.py``) falls back to one of these,
 its limits divided among the instances it last saw, while Redis cannot be reached.

@@ -307,7 +307,7 @@ async def test_an_engine_that_says_it_is_full_gets_no_more_than_it_holds(procs: 
     d = procs.sim("decode", "--max-running-requests", "64", "--fault", "queue_full_rate=1")
     g = await gateway(gateways, p, d, engine_backoff_s=1.0, learn=False)  # the engine's own figure
     w = g.gw.pool.by_id["d0"]
-    assert w.capacity == 64, "read from the engine's /server_info"
+    assert w.slots.capacity == 64, "read from the engine's /server_info"
     status, _, _, _ = await post(http, g, NORM, chat())
     assert status == 502
     assert w.limit(g.gw.now()) == 1, "after its 503: no more than it holds (at least one)"

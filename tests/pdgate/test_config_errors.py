@@ -98,3 +98,19 @@ def test_shapes_that_used_to_crash_or_hide_errors(data: dict[str, object], words
     assert "a-secret" not in text
     for w in words:
         assert w in text, (w, text)
+
+
+def test_a_workers_role_is_a_role_once_validated(tmp_path: Path) -> None:
+    """What the config, the flags and the admin plane write as text is a ``Role`` once validated: one type the
+    pool, the routing and the adapters compare against, whatever spelled it."""
+    from pdgate.core import config
+
+    spec = config.validate_worker(config.WorkerSpec(url="http://127.0.0.1:1", role="decode"))  # type: ignore[arg-type]
+    assert spec.role is config.Role.DECODE and spec.role == "decode" and f"{spec.role}" == "decode"
+    f = tmp_path / "g.toml"
+    f.write_text('[[prefill]]\nurl = "http://127.0.0.1:1"\n[[decode]]\nurl = "http://127.0.0.1:2"\n')
+    cfg = config.load(f)
+    assert [w.role for w in (*cfg.prefill, *cfg.decode)] == [config.Role.PREFILL, config.Role.DECODE]
+    assert all(type(w.role) is config.Role for w in (*cfg.prefill, *cfg.decode))
+    with pytest.raises(config.ConfigError, match="must be prefill or decode"):
+        config.validate_worker(config.WorkerSpec(url="http://127.0.0.1:1", role="router"))  # type: ignore[arg-type]

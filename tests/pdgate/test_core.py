@@ -31,7 +31,7 @@ IO = ("asyncio", "h1lite.server", "h1lite.client", "httptools", "uvloop", "aioht
 
 # every module of the pure core, and the pure ones of the layers above it
 PURE = [f"core.{p.stem}" for p in sorted((ROOT / "pdgate" / "core").glob("*.py")) if p.stem != "__init__"] + [
-    "apis.responses", "apis.anthropic", "observe.traces", "pool.policies", "pool.workers", "path.auth"]
+    "apis.responses", "apis.anthropic", "observe.traces", "pool.policies", "pool.workers", "pool.capacity", "path.auth"]
 
 
 @pytest.mark.parametrize("module", PURE)

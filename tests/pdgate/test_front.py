@@ -115,6 +115,9 @@ async def test_workers_api(procs: Procs, http: aiohttp.ClientSession, gateways: 
         assert r.status == 409  # already registered
     async with http.post(g.admin + "/v1/workers", json={"role": "router", "url": d2.url}) as r:
         assert r.status == 400
+    for raw in (b"{nope", b"[1, 2]"):  # read as the front door reads a body: the same 400, the same code
+        async with http.post(g.admin + "/v1/workers", data=raw, headers={"content-type": "application/json"}) as r:
+            assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_json", raw
     for url, why in (("https://127.0.0.1:30000", "https:// workers are not supported"),
                      ("http://127.0.0.1:99999", "not a URL")):  # on cea4624: a 500, and a worker left behind
         async with http.post(g.admin + "/v1/workers", json={"role": "decode", "url": url}) as r:

@@ -44,7 +44,7 @@ async def run(procs: Procs, gateways: list[Any], learn: bool, change: bool) -> d
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=TOTAL + 2)) as http:
         async def watch() -> None:
             while True:
-                limits.append(g.gw.pool.by_id["p0"].capacity)
+                limits.append(g.gw.pool.by_id["p0"].slots.capacity)
                 await asyncio.sleep(0.25)
 
         w = asyncio.create_task(watch())

@@ -233,16 +233,14 @@ def test_closed_loop_on_a_serialised_engine_is_stable(service_s: float) -> None:
 def test_connections_follow_what_the_engine_runs() -> None:
     """An engine's pool holds what it can run plus headroom, never below its limit (the 1,025th stream on a
     decode that runs thousands no longer waits for a connection: tests/loadtest and BENCHMARKS.md run R)."""
-    from pdgate.core.config import BreakerConfig, WorkerSpec
-    from pdgate.pool.workers import CONN_HEADROOM, UNKNOWN_MAX, CircuitBreaker, Slots, Worker
+    from pdgate.pool.capacity import CONN_HEADROOM, UNKNOWN_MAX, Slots
 
-    w = Worker("d0", WorkerSpec("http://127.0.0.1:1", "decode"), CircuitBreaker(BreakerConfig()), None,  # type: ignore[arg-type]
-               slots=Slots(learned=Limiter(RULES)))
-    assert w.conns() == UNKNOWN_MAX + CONN_HEADROOM, "an engine that reports nothing: the most it is given"
-    w.slots.reported = 8192
-    assert w.conns() == 8192 + CONN_HEADROOM and w.capacity == 16, "the engine's figure, not the learned 16"
-    w.slots.configured = 20000
-    assert w.conns() == 20000 + CONN_HEADROOM and w.capacity == 20000, "set by hand: that figure"
+    s = Slots("d0", learned=Limiter(RULES))
+    assert s.conns() == UNKNOWN_MAX + CONN_HEADROOM, "an engine that reports nothing: the most it is given"
+    s.reported = 8192
+    assert s.conns() == 8192 + CONN_HEADROOM and s.capacity == 16, "the engine's figure, not the learned 16"
+    s.configured = 20000
+    assert s.conns() == 20000 + CONN_HEADROOM and s.capacity == 20000, "set by hand: that figure"
 
 
 @pytest.mark.parametrize("watched", [True, False])
