@@ -241,6 +241,12 @@ class WorkerSpec:
     bootstrap_port: int | None = None
     engine: str = "sglang"  # its engine kind: the adapter the gateway talks to it through (pdgate.adapters)
 
+    def __post_init__(self) -> None:
+        """A role given as text is a ``Role`` from here on, however the spec was made (one that names no role stays
+        as it came, for ``validate_worker`` to refuse)."""
+        if type(self.role) is not Role and self.role in ROLES:
+            object.__setattr__(self, "role", Role(self.role))
+
     @functools.cached_property
     def host(self) -> str:
         rest = self.url.split("://", 1)[-1]
@@ -564,8 +570,6 @@ ENGINE_KIND = re.compile(r"[a-z][a-z0-9_]{0,31}")
 def validate_worker(w: WorkerSpec, key: str = "worker") -> WorkerSpec:
     if w.role not in ROLES:
         raise ConfigError(f"{key}.role", w.role, "must be prefill or decode")
-    if type(w.role) is not Role:
-        w = dataclasses.replace(w, role=Role(w.role))
     if not isinstance(w.engine, str) or not ENGINE_KIND.fullmatch(w.engine):
         raise ConfigError(f"{key}.engine", w.engine, "must be an engine kind's name (sglang, vllm)")
     if w.url.startswith("https://"):

@@ -290,6 +290,8 @@ class ProcessGroup:
 
     async def stop(self) -> None:
         self.stopping = True
+        if self.redis is not None:  # its watcher starts it no more: it goes last, after the processes drained
+            self.redis.stopping = True
         live = [c.proc for c in self.children if c.proc is not None and c.proc.returncode is None]
         for p in live:
             with contextlib.suppress(ProcessLookupError):

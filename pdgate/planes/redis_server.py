@@ -69,6 +69,8 @@ class RedisServer:
             with contextlib.suppress(OSError):
                 self.sock.unlink()
             await asyncio.sleep(0.5)
+            if self.stopping:  # the group began to stop meanwhile (an operator's Ctrl-C reaches both at once)
+                return
             with contextlib.suppress(ConfigError):
                 await self.start()
 

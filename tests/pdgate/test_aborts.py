@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from engine.sim import nixl_kv
 from pdgate.adapters.sglang import SGLang
 from tests.engine.simclient import engine_requests, gauge, set_faults
 from tests.pdgate.harness import assert_clean
@@ -28,7 +29,8 @@ async def ttft_expired(http: aiohttp.ClientSession, url: str) -> str:
 # Switched off, on the transfer backend that never tells a decode its prefill failed (the sims' NIXL one, as
 # SGLang's NIXL does not): over TCP the aborted prefill's own notice raced the decode's abort, and one run in about
 # sixteen the decode learned first, ended cleanly and leaked nothing, so the switch-off showed no failure.
-@pytest.mark.parametrize(("deferred", "backend"), [(True, "tcp"), (False, "nixl")])
+@pytest.mark.parametrize(("deferred", "backend"), [(True, "tcp"), pytest.param(False, "nixl", marks=pytest.mark.skipif(
+    not nixl_kv.available(), reason="nixl not importable (pip install --no-deps nixl nixl-cu12 numpy)"))])
 async def test_a_decode_without_fix_a_is_aborted_once_its_transfer_is_over(
         procs: Procs, http: aiohttp.ClientSession, gateways: list[Any], monkeypatch: pytest.MonkeyPatch,
         deferred: bool, backend: str) -> None:

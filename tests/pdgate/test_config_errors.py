@@ -107,6 +107,7 @@ def test_a_workers_role_is_a_role_once_validated(tmp_path: Path) -> None:
 
     spec = config.validate_worker(config.WorkerSpec(url="http://127.0.0.1:1", role="decode"))  # type: ignore[arg-type]
     assert spec.role is config.Role.DECODE and spec.role == "decode" and f"{spec.role}" == "decode"
+    assert config.WorkerSpec(url="http://127.0.0.1:1", role="prefill").role is config.Role.PREFILL  # type: ignore[arg-type]
     f = tmp_path / "g.toml"
     f.write_text('[[prefill]]\nurl = "http://127.0.0.1:1"\n[[decode]]\nurl = "http://127.0.0.1:2"\n')
     cfg = config.load(f)

@@ -462,3 +462,53 @@ async def _held(http: aiohttp.ClientSession, sims: list[Any], n: int) -> bool:
     from tests.pdgate.test_reconcile import engine_held
 
     return await engine_held(http, [s for s in sims if s.role == "decode"]) >= n
+
+
+@pytest.mark.parametrize("stops_first", [True, False])
+async def test_the_groups_redis_is_not_started_again_while_the_group_stops(tmp_path: Path, stops_first: bool) -> None:
+    """An operator's Ctrl-C reaches the supervisor's whole process group: the redis-server exits at once while the
+    gateway processes still drain. Its watcher must not start another one then (it did, and one started while
+    the group was being stopped could outlive it). Switched off (the watcher told only at the very end, as
+    before), it starts one during the drain."""
+    from pdgate.planes.redis_server import RedisServer
+
+    loop = asyncio.get_running_loop()
+    exited: asyncio.Future[int] = loop.create_future()
+
+    class Proc:  # the group's redis-server, and one gateway process that takes a second to drain
+        returncode: int | None = None
+
+        def __init__(self, wait_s: float, fut: asyncio.Future[int] | None = None) -> None:
+            self.wait_s, self.fut, self.pid = wait_s, fut, 0
+
+        async def wait(self) -> int:
+            if self.fut is not None:
+                return await self.fut
+            await asyncio.sleep(self.wait_s)
+            self.returncode = 0
+            return 0
+
+        def send_signal(self, sig: int) -> None: ...
+
+        def terminate(self) -> None: ...
+
+    group = multi.ProcessGroup([], 1, drain_s=0.0)
+    group.children[0].proc = Proc(1.0)  # type: ignore[assignment]
+    rs = RedisServer(tmp_path, StoreConfig(), 1)
+    started: list[float] = []
+
+    async def start() -> None:
+        started.append(loop.time())
+
+    rs.start = start  # type: ignore[method-assign]
+    rs.proc = Proc(0.0, exited)  # type: ignore[assignment]
+    group.redis = rs if stops_first else None  # switched off: stop() does not tell the watcher first
+    watcher = asyncio.create_task(rs.watch())
+    exited.set_result(-2)  # redis-server got the Ctrl-C
+    await group.stop()
+    if not stops_first:
+        rs.stopping = True  # what RedisServer.stop() did, after the drain
+    watcher.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await watcher
+    assert bool(started) is not stops_first, started
