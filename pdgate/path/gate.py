@@ -67,27 +67,27 @@ class Lease:
         pw.bind(self, now)
         dw.bind(self, now)
         view = ctx.view
-        try:  # whatever fails from here (a policy on this request, say): what was taken goes back, the request ends
+        try:
             gate.routing.dispatched(pw, dw, view)
-            if view.notes:  # why the policy chose as it did (a session that moved, loads out of balance)
-                for note in view.notes:
-                    att.event(now, "routing", note)
-                view.notes = None
-            gate.obs.move(rec, Phase.DISPATCHED, now)
-            self.span = gate.obs.attempt_started(ctx, att, now)
-            self.scope = Scope(ctx.scope.task)  # the attempt's own, inside the request's (nothing awaited before)
-            # what both legs carry besides the body: the rid as x-request-id (the engines' logs name it), and W3C
-            # trace context: the attempt span's with OpenTelemetry on (an engine's spans join the trace under it),
-            # else the client's, passed through
-            self.headers = b"x-request-id: %b\r\n" % rid.encode()
-            h = ctx.request.headers
-            if self.span is not None:
-                self.headers += header_lines(gate.obs.traceparent(self.span))
-            elif "traceparent" in h:
-                self.headers += header_lines({k: h[k] for k in ("traceparent", "tracestate") if k in h})
-        except BaseException:
+        except BaseException:  # a policy that fails on this request: what was taken goes back, the request ends
             self.close()
             raise
+        if view.notes:  # why the policy chose as it did (a session that moved, loads out of balance)
+            for note in view.notes:
+                att.event(now, "routing", note)
+            view.notes = None
+        gate.obs.move(rec, Phase.DISPATCHED, now)
+        self.span = gate.obs.attempt_started(ctx, att, now)
+        self.scope = Scope(ctx.scope.task)  # the attempt's own, inside the request's (nothing awaited before it)
+        # what both legs carry besides the body: the rid as x-request-id (the engines' logs name it), and W3C trace
+        # context: the attempt span's with OpenTelemetry on (an engine's spans join the trace under it), else the
+        # client's, passed through (the parser lets no CR, LF or NUL into a header, so header_lines cannot refuse it)
+        self.headers = b"x-request-id: %b\r\n" % rid.encode()
+        h = ctx.request.headers
+        if self.span is not None:
+            self.headers += header_lines(gate.obs.traceparent(self.span))
+        elif "traceparent" in h:
+            self.headers += header_lines({k: h[k] for k in ("traceparent", "tracestate") if k in h})
 
     def __enter__(self) -> Lease:
         return self
