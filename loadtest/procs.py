@@ -101,6 +101,22 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+KILL_WAIT_S = 60.0  # how long a SIGKILLed process is waited for before its stop fails
+
+
+def stop_all(procs: list[Proc]) -> None:
+    """Stop every one of ``procs``, newest first; one that fails to stop does not leave the others running: the
+    first failure is raised once all were tried."""
+    failed: BaseException | None = None
+    for p in reversed(procs):
+        try:
+            p.stop()
+        except Exception as e:  # noqa: BLE001 - raised below, after the rest are stopped
+            failed = failed or e
+    if failed is not None:
+        raise failed
+
+
 @dataclass
 class Proc:
     args: list[str]
@@ -123,6 +139,9 @@ class Proc:
         return self.popen.pid
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 5.0) -> None:
+        """``sig``, then SIGKILL after ``timeout``; returns once the process is reaped. A killed process is waited
+        for up to ``KILL_WAIT_S``: on a loaded machine the kernel's teardown of a big process can take seconds, and a
+        process left unreaped is a leak (and a ResourceWarning in whichever test runs next)."""
         if self.popen is None or self.popen.poll() is not None:
             return
         try:
@@ -131,7 +150,7 @@ class Proc:
             self.popen.wait(timeout)
         except subprocess.TimeoutExpired:
             self.popen.kill()
-            self.popen.wait(5)
+            self.popen.wait(KILL_WAIT_S)
 
     def logs(self) -> str:
         return self.log.read_text(errors="replace")
@@ -156,8 +175,7 @@ class Stack:
             self.procs.remove(p)
 
     def close(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
+        stop_all(self.procs)
         self.procs.clear()
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.procs import ROOT, Proc, free_port, wait_http, worker_tables
+from loadtest.procs import ROOT, Proc, free_port, stop_all, wait_http, worker_tables
 
 __all__ = ["ROOT", "Proc", "Procs", "Redis", "Sim", "free_port", "wait_http", "workers_toml"]
 REDIS_MISSING = ("redis-server is not installed: the store's tests run a real one (Debian's redis-server package; "
@@ -107,5 +107,4 @@ class Procs:
         return self.sim("prefill", *extra, env=env), self.sim("decode", *extra, env=env)
 
     def close(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
+        stop_all(self.procs)
