@@ -203,14 +203,6 @@ class Rates:
         self.ttft = seconds if self.ttft is None else self.ttft + 0.2 * (seconds - self.ttft)
         self.last_ttft = seconds
 
-    def wait_s(self, ahead: int, now: float, rate: float | None = None) -> float | None:
-        """Expected seconds from now to a first token for a request with ``ahead`` before it (None: unknown);
-        ``rate``: the drain rate to use where it is not measured yet."""
-        rate = self.drain_rate(now) or rate
-        if rate is None:
-            return None
-        return (ahead + 1) / rate + (self.ttft or 0.0)
-
     def expected_ttft(self) -> float | None:
         """What a request dispatched now takes to its first token: the average, or the latest answer where that is
         longer (an engine's queue growing answer by answer, as at a cold start: the average lags it and a request

@@ -296,10 +296,9 @@ class Gate:
             self.shed(rec, "queue_full", status, wait, f"the gateway's queue is full ({q.n} requests wait)"
                       + (" and this key holds more than its share of it" if over else ""))
         due = first_due(rec)
-        if cfg.shed:
-            expect = self.rates.wait_s(q.ahead_of(rank, tenant, due, weight), now, rate)
-            if expect is not None and rate is not None and now + expect * SHED_MARGIN > due:
-                wait = expect
+        if cfg.shed and rate:  # to its first token: those ahead of it and itself drained at ``rate``, then a TTFT
+            wait = (q.ahead_of(rank, tenant, due, weight) + 1) / rate + (self.rates.ttft or 0.0)
+            if now + wait * SHED_MARGIN > due:
                 budget = min(rec.deadlines.ttft_s, rec.deadlines.total_s)
                 self.shed(rec, "deadline_unmeetable", status, wait,
                           f"the first token would come in about {wait:.2f}s (queue of {q.n} draining at {rate:.1f}/s), "

@@ -83,8 +83,7 @@ class Legs:
         keep = merge or eng.sequential  # the prefill's answer is needed after it came
         p_body, d_body = eng.legs(ctx.body, att, pw.spec)
         att.event(self.clock(), "sent")
-        headers = lease.headers
-        p_task = legs.prefill = ctx.loop.create_task(self.prefill_leg(ctx, lease, p_body, headers, keep))
+        p_task = legs.prefill = ctx.loop.create_task(self.leg(ctx, lease, pw, [p_body], keep))
         p_task.add_done_callback(legs.prefill_done)
         del p_task, p_body  # the legs hold it while it runs
         self.obs.move(ctx.rec, Phase.PREFILL, self.clock())
@@ -96,7 +95,7 @@ class Legs:
                 with lease.scope:  # a worker lost between binding and here: raises at once
                     if eng.sequential:  # the decode's body is made from the prefill's answer
                         sending[0] = eng.decode_after(sending[0], await legs.prefill_answer())
-                    body = await self.decode_leg(ctx, att, dw, sending, headers, legs)
+                    body = await self.leg(ctx, lease, dw, sending, legs=legs)
             except Cancelled as c:
                 assert isinstance(c.reason.error, UpstreamError)
                 raise c.reason.error from None
@@ -131,70 +130,61 @@ class Legs:
             p_task.cancel()
             self.aborts.leg(att, pw, False)
 
-    async def prefill_leg(self, ctx: Ctx, lease: Lease, payload: bytes, headers: bytes, keep: bool) -> bytes:
-        att, w = lease.att, lease.pair[0]
-        try:
-            status, body = await self.up.post_read(w.url, ctx.route, payload, headers)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            raise self.leg_failed(w, exc) from None
-        now = self.clock()
-        att.prefill_answered = True
-        att.event(now, "prefill_done", status)
-        if status != 200:
-            raise self.leg_status(w, status, body, now)
-        att.transferred = True
-        w.success(now)
-        w.progress(now)
-        lease.prefill_answered(w, now)  # its part is done: its slot may go to a queued request
-        rec = ctx.rec
-        if not rec.stream and w.adapter.prefill_answer_is_first_token and first_token(rec, now, self.obs.transitions):
-            ctx.watchdog.rearm()  # non-streaming: the prefill computed the first token
-        return body if keep else b""  # kept (in the task) for the life of the request only if needed
-
-    async def decode_leg(self, ctx: Ctx, att: Attempt, w: Worker, sending: list[bytes], headers: bytes,
-                         legs: Flight) -> bytes:
-        """The decode leg; ``sending`` holds the request body, taken out as it is sent (a stream that lasts minutes
-        does not hold it: orjson's output keeps a 4 KiB buffer whatever its length)."""
-        rec = ctx.rec
+    async def leg(self, ctx: Ctx, lease: Lease, w: Worker, sending: list[bytes], keep: bool = True,
+                  legs: Flight | None = None) -> bytes:
+        """One leg (``legs``: the decode's, which keeps its answer open for a deferred abort). Its body is taken out
+        of ``sending`` as it is sent (a stream that lasts minutes does not hold it: orjson's output keeps a 4 KiB
+        buffer whatever its length); its answer is read whole, or, a streaming decode's, relayed to the client."""
+        att, rec, decode = lease.att, ctx.rec, legs is not None
         payload = sending.pop()
         try:
-            if not rec.stream:
-                status, body = await self.up.post_read(w.url, ctx.route, payload, headers)
-                now = self.clock()
-                att.decode_answered = True
-                att.event(now, "decode_headers", status)
-                if status != 200:
-                    raise self.leg_status(w, status, body, now)
-                att.event(now, "decode_done")
-                if first_token(rec, now, self.obs.transitions):
-                    ctx.watchdog.rearm()
-                w.progress(now)
-                w.success(now)
-                return body
-            resp = await self.up.open(w.url, ctx.route, payload, headers)
-            del payload
-            kept = False
-            try:
-                att.decode_answered = True
-                att.event(self.clock(), "decode_headers", resp.status)
-                if resp.status != 200:
-                    raise self.leg_status(w, resp.status, await resp.read(), self.clock())
-                await relay_stream(ctx, att, w, resp, self.clock, self.obs.transitions)
-                w.success(self.clock())
-                return b""
-            except BaseException:
-                if not resp.complete and not att.first_token:  # still open: a deferred abort may wait on it
-                    legs.decode_resp, kept = resp, True
-                raise
-            finally:
-                if not kept:
-                    resp.release()
+            if not decode or not rec.stream:
+                status, body = await self.up.post_read(w.url, ctx.route, payload, lease.headers)
+            else:
+                resp = await self.up.open(w.url, ctx.route, payload, lease.headers)
+                del payload
+                kept = False
+                try:
+                    att.decode_answered = True
+                    att.event(self.clock(), "decode_headers", resp.status)
+                    if resp.status != 200:
+                        raise self.leg_status(w, resp.status, await resp.read(), self.clock())
+                    await relay_stream(ctx, att, w, resp, self.clock, self.obs.transitions)
+                    w.success(self.clock())
+                    return b""
+                except BaseException:
+                    if not resp.complete and not att.first_token:  # still open: a deferred abort may wait on it
+                        assert legs is not None
+                        legs.decode_resp, kept = resp, True
+                    raise
+                finally:
+                    if not kept:
+                        resp.release()
         except (asyncio.CancelledError, ClientGone, UpstreamError):
             raise
         except Exception as exc:
             raise self.leg_failed(w, exc) from None
+        now = self.clock()
+        if decode:
+            att.decode_answered = True
+        else:
+            att.prefill_answered = True
+        att.event(now, "decode_headers" if decode else "prefill_done", status)
+        if status != 200:
+            raise self.leg_status(w, status, body, now)
+        w.success(now)
+        w.progress(now)
+        if decode:
+            att.event(now, "decode_done")
+        else:
+            att.transferred = True
+            lease.prefill_answered(w, now)  # its part is done: its slot may go to a queued request
+        # a whole answer's first token: the decode's answer, or the prefill's where the engine says it is (the
+        # prefill computed it)
+        if not rec.stream and (decode or w.adapter.prefill_answer_is_first_token) \
+                and first_token(rec, now, self.obs.transitions):
+            ctx.watchdog.rearm()
+        return body if keep else b""  # a prefill's kept (in the task) for the life of the request only if needed
 
     def leg_failed(self, w: Worker, exc: Exception) -> UpstreamError:
         """A leg's call failed (connect, reset, a broken or too large answer): its breaker counts it, and its
