@@ -12,6 +12,7 @@ import orjson
 from pdgate.core.errors import LoopLate
 
 if TYPE_CHECKING:
+    from pdgate.adapters.upstream import Answer, Upstream
     from pdgate.core.config import WorkerSpec
     from pdgate.core.record import Attempt
 
@@ -96,6 +97,12 @@ class Engine(Protocol):
     def decode_after(self, decode: bytes, prefill_answer: bytes) -> bytes:
         """A sequential engine's decode body, once the prefill has answered."""
 
+    async def call(self, url: str, route: str, body: bytes, headers: bytes) -> tuple[int, bytes]:
+        """One leg sent over the adapter's transport, its answer read whole: (status, body)."""
+
+    async def open(self, url: str, route: str, body: bytes, headers: bytes) -> Answer:
+        """One leg sent, back once its answer's head came (a stream; the caller releases it)."""
+
     def needs_prefill_answer(self, route: str, body: dict[str, Any]) -> bool:
         """Whether the decode's answer is merged with the prefill's (``merge``), which is then kept."""
 
@@ -135,6 +142,18 @@ class Engine(Protocol):
     async def count_tokens(self, url: str, chat: dict[str, Any], timeout_s: float) -> int | None:
         """The prompt tokens of chat body ``chat`` as the engine's tokenizer and chat template count them (None: it
         does not say; ``/v1/messages/count_tokens``)."""
+
+
+class OverHTTP:
+    """Legs sent as POSTs over the pooled HTTP client (``Upstream``): SGLang's and vLLM's."""
+
+    up: Upstream
+
+    async def call(self, url: str, route: str, body: bytes, headers: bytes) -> tuple[int, bytes]:
+        return await self.up.post_read(url, route, body, headers)
+
+    async def open(self, url: str, route: str, body: bytes, headers: bytes) -> Answer:
+        return await self.up.open(url, route, body, headers)
 
 
 def tokenize_body(chat: dict[str, Any]) -> bytes:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from pdgate.adapters import base
 from pdgate.adapters.base import Held, Probe, Usage, _count, failed_probe, openai_usage, token_count, tokenize_body, unanswered
 from pdgate.core import protocol as wire
 
@@ -43,7 +44,7 @@ HELD = {"prefill": ("prefill_bootstrap_queue_reqs", "prefill_inflight_queue_reqs
         "decode": ("decode_prealloc_queue_reqs", "decode_transfer_queue_reqs", "num_running_reqs")}
 
 
-class SGLang:
+class SGLang(base.OverHTTP):
     kind = "sglang"
     sequential = False
     prefill_answer_is_first_token = True  # its prefill answers once the KV transfer is over

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from pdgate.adapters import base
 from pdgate.adapters.base import Held, Probe, Usage, _count, failed_probe, openai_usage, token_count, tokenize_body, unanswered
 from pdgate.core.errors import InvalidField
 
@@ -46,7 +47,7 @@ GAUGE = re.compile(rb"^vllm:(num_requests_running|num_requests_waiting)\{[^}]*\}
 STARTED = re.compile(rb"^process_start_time_seconds ([0-9.eE+]+)$", re.M)
 
 
-class VLLM:
+class VLLM(base.OverHTTP):
     kind = "vllm"
     sequential = True
     prefill_answer_is_first_token = False  # the decode has yet to read the KV: a TTFT budget covers that wait

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from h1lite.server import ClientGone
-from pdgate.adapters.upstream import Answer, Upstream, wrap
+from pdgate.adapters.upstream import Answer, wrap
 from pdgate.core.config import GatewayConfig
 from pdgate.core.errors import UpstreamError, UpstreamStatus, detail_of
 from pdgate.core.record import Attempt, Phase, first_token
@@ -69,9 +69,9 @@ class Flight:
 class Legs:
     """Runs an attempt's two legs (made once; one ``fly`` per attempt: its legs in flight)."""
 
-    def __init__(self, cfg: GatewayConfig, gate: Gate, up: Upstream, obs: Observers, aborts: Aborts, tasks: Tasks,
+    def __init__(self, cfg: GatewayConfig, gate: Gate, obs: Observers, aborts: Aborts, tasks: Tasks,
                  kick: Callable[[Worker], None], clock: Callable[[], float]) -> None:
-        self.cfg, self.gate, self.up, self.obs = cfg, gate, up, obs
+        self.cfg, self.gate, self.obs = cfg, gate, obs
         self.aborts, self.tasks, self.kick, self.clock = aborts, tasks, kick, clock
 
     async def fly(self, ctx: Ctx, lease: Lease) -> bytes:
@@ -139,9 +139,9 @@ class Legs:
         payload = sending.pop()
         try:
             if not decode or not rec.stream:
-                status, body = await self.up.post_read(w.url, ctx.route, payload, lease.headers)
+                status, body = await w.adapter.call(w.url, ctx.route, payload, lease.headers)
             else:
-                resp = await self.up.open(w.url, ctx.route, payload, lease.headers)
+                resp = await w.adapter.open(w.url, ctx.route, payload, lease.headers)
                 del payload
                 kept = False
                 try:

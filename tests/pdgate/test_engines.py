@@ -3,7 +3,9 @@ through the unchanged request path, and one gateway fronts pools of two kinds, p
 
 The "mini" engine (an aiohttp app in the test): its prefill answers a handoff token, and its decode refuses any
 request that does not carry that prefill's handoff, so a path that ran the legs at once, or that did not make
-the decode's body from the prefill's answer (``Engine.decode_after``), fails here. It splits its SSE writes.
+the decode's body from the prefill's answer (``Engine.decode_after``), fails here. It splits its SSE writes. Its
+legs are sent where only its adapter knows (``/mini`` before the route: ``Engine.call`` and ``Engine.open``), so
+a path that sent them itself fails here too.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import pytest
 from aiohttp import web
 
 from pdgate.adapters import Held, Probe, Usage
-from pdgate.adapters.upstream import Upstream
+from pdgate.adapters.upstream import Answer, Upstream
 from pdgate.core.config import GatewayConfig, HealthConfig, WorkerSpec, validate
 from pdgate.core.record import Attempt
 from pdgate.path.gateway import Gateway
@@ -45,6 +47,12 @@ class Mini:
 
     def decode_after(self, decode: bytes, prefill_answer: bytes) -> bytes:
         return orjson.dumps({**orjson.loads(decode), "handoff": orjson.loads(prefill_answer)["handoff"]})
+
+    async def call(self, url: str, route: str, body: bytes, headers: bytes) -> tuple[int, bytes]:
+        return await self.up.post_read(url, "/mini" + route, body, headers)
+
+    async def open(self, url: str, route: str, body: bytes, headers: bytes) -> Answer:
+        return await self.up.open(url, "/mini" + route, body, headers)
 
     def needs_prefill_answer(self, route: str, body: dict[str, Any]) -> bool:
         return False
@@ -92,7 +100,7 @@ class MiniEngine:
         self.live: dict[str, asyncio.Event] = {}
         app = web.Application()
         app.router.add_get("/ping", self.ping)
-        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/mini/v1/chat/completions", self.chat)  # its legs, as its adapter sends them
         app.router.add_post("/cancel", self.cancel)
         self.runner = web.AppRunner(app)
 
