@@ -42,8 +42,8 @@ from pdgate.observe import traces
 from pdgate.path.auth import Admin, Tenant
 from pdgate.path.gateway import Gateway
 from pdgate.path.scope import Cause, Reason
-from pdgate.planes import dashboard
 from pdgate.planes.control import Control
+from pdgate.planes.peers import Data
 from pdgate.pool.policies import session_key
 
 audit_log = logging.getLogger("pdgate.audit")
@@ -259,7 +259,7 @@ async def list_requests(ctl: Control, request: Request) -> Response:
                          param="worker")
     now = gw.now()
     recs = [r for r in gw.traces.query(now, phase, worker, min_age) if visible(r, tenant)]
-    return json_response({"requests": [traces.summary(r, now) for r in recs], "count": len(recs)})
+    return Data({"requests": [traces.summary(r, now) for r in recs], "count": len(recs)})
 
 
 async def get_request(ctl: Control, request: Request) -> Response:
@@ -344,22 +344,3 @@ async def read_json(request: Request) -> dict[str, Any]:
     if not ctype.split(";", 1)[0].strip().lower() == "application/json":  # a form a web page can post is not JSON
         raise BadRequest("the body must be sent as Content-Type: application/json")
     return parse_body(request.body)
-
-
-# (method, path, handler, audited action or None)
-ROUTES: list[tuple[str, str, Handler, str | None]] = [
-    ("GET", "/v1/workers", list_workers, None),
-    ("POST", "/v1/workers", add_worker, "worker.register"),
-    ("DELETE", "/v1/workers/{id}", remove_worker, "worker.remove"),
-    ("POST", "/v1/workers/{id}/restart", restart_worker, "worker.restart"),
-    ("GET", "/v1/cluster", cluster, None),
-    ("GET", "/v1/requests", list_requests, None),
-    ("GET", "/v1/requests/{id}", get_request, None),
-    ("POST", "/v1/requests/{id}/abort", abort_request, "request.abort"),
-    ("GET", "/v1/sessions", list_sessions, None),
-    ("GET", "/v1/sessions/{key}", get_session, None),
-    ("GET", "/v1/dashboard", dashboard.snapshot, None),
-    ("GET", dashboard.PAGE_PATH, dashboard.dashboard_page, None),
-]
-# on the front door too (a client key's own only)
-REQUEST_PATHS = ("/v1/requests", "/v1/requests/{id}", "/v1/requests/{id}/abort", "/v1/sessions", "/v1/sessions/{key}")

@@ -12,10 +12,11 @@ from __future__ import annotations
 import functools
 from importlib import resources
 
-from h1lite.server import Request, Response, json_response
+from h1lite.server import Request, Response
 from pdgate.core.record import Phase, phase_label
 from pdgate.observe import traces
 from pdgate.planes.control import Control
+from pdgate.planes.peers import Data
 
 RECENT = 30  # recent failures and expiries shown
 SESSIONS, SESSION_ROUNDS = 8, 12  # sessions shown (the most recently active), and each one's last rounds
@@ -53,7 +54,7 @@ async def snapshot(ctl: Control, request: Request) -> Response:
             if len(recent) >= RECENT:
                 break
     finished = gw.metrics.finished
-    return json_response({
+    return Data({
         "instance": gw.instance,
         "workers": [w.view(now) for w in gw.pool.by_id.values()],
         "live": [traces.summary(r, now) for r in live[:200]],

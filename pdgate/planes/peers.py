@@ -75,9 +75,20 @@ class Peers:
         self.client.close()
 
 
-def _json(resp: Response | Stream) -> dict[str, Any]:
-    assert isinstance(resp, Response)
-    return dict(orjson.loads(resp.body))
+class Data(Response):
+    """A JSON answer that keeps the object it was made from: a merge reads this instance's part from it, as it is,
+    and only the other instances' parts from their bytes."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: dict[str, Any], status: int = 200) -> None:
+        super().__init__(orjson.dumps(obj), status)
+        self.obj = obj
+
+
+def _mine(resp: Response | Stream) -> dict[str, Any]:
+    assert isinstance(resp, Data), "a merged route's own handler answers with peers.Data"
+    return resp.obj
 
 
 def _answered(answers: list[Answer], shape: dict[str, type] | None = None) -> list[dict[str, Any]]:
@@ -112,7 +123,7 @@ def _processes(answers: list[Answer]) -> dict[str, int]:
 
 
 async def requests_list(peers: Peers, plane: str, request: Request, local: Handler) -> Response | Stream:
-    mine = _json(await local(request))
+    mine = _mine(await local(request))
     answers = await peers.ask(plane, request)
     reqs = list(mine["requests"])
     for other in _answered(answers, {"requests": list}):
@@ -150,7 +161,7 @@ class PeerUnavailable(NoHealthyPair):
 
 
 async def dashboard(peers: Peers, plane: str, request: Request, local: Handler) -> Response | Stream:
-    mine = _json(await local(request))
+    mine = _mine(await local(request))
     answers = await peers.ask(plane, request)
     others = _answered(answers, {"workers": list, "live": list, "live_count": int, "queue_depth": int,
                                  "by_phase": dict, "finished": dict, "recent_failures": list})
@@ -174,17 +185,10 @@ async def dashboard(peers: Peers, plane: str, request: Request, local: Handler) 
 
 
 Merge = Callable[[Peers, str, Request, Handler], Awaitable[Response | Stream]]
-MERGES: dict[tuple[str, str], Merge] = {
-    ("GET", "/v1/requests"): requests_list,
-    ("GET", "/v1/requests/{id}"): by_id,
-    ("POST", "/v1/requests/{id}/abort"): by_id,
-    ("GET", "/v1/dashboard"): dashboard,
-}
 
 
-def fanned(peers: Peers | None, plane: str, method: str, path: str, handler: Handler) -> Handler:
+def fanned(peers: Peers | None, plane: str, merge: Merge | None, handler: Handler) -> Handler:
     """``handler`` answering for every live instance sharing the store (when it is shared and the route merges)."""
-    merge = MERGES.get((method, path))
     if merge is None or peers is None:
         return handler
 

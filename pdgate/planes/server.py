@@ -25,7 +25,7 @@ import resource
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -200,11 +200,39 @@ def admin_keys(app: App) -> Middleware:
 
 
 # ---- lifecycle -------------------------------------------------------------------------------------
-FRONT: list[tuple[str, str, Any]] = [
-    ("GET", "/v1/models", models),
-    ("GET", "/health", liveness),
-    ("GET", "/readiness", readiness),
-]
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A path of the planes, named once. Served on the admin plane; at the front door too where ``front`` (the
+    request paths: a client key's own requests there), else refused there whatever the key (``operator_only``);
+    audited as ``action``; answered for every instance sharing the store through ``merge`` (``peers``)."""
+
+    method: str
+    path: str
+    handler: Callable[[Control, Request], Awaitable[Response | Stream]]
+    front: bool = False
+    action: str | None = None
+    merge: peers.Merge | None = None
+
+
+ROUTES = (
+    Route("GET", "/v1/models", models, front=True),
+    Route("GET", "/health", liveness, front=True),
+    Route("GET", "/readiness", readiness, front=True),
+    Route("GET", "/metrics", metrics),  # at the front door too with ``metrics_on_front``
+    Route("GET", "/v1/workers", admin.list_workers),
+    Route("POST", "/v1/workers", admin.add_worker, action="worker.register"),
+    Route("DELETE", "/v1/workers/{id}", admin.remove_worker, action="worker.remove"),
+    Route("POST", "/v1/workers/{id}/restart", admin.restart_worker, action="worker.restart"),
+    Route("GET", "/v1/cluster", admin.cluster),
+    Route("GET", "/v1/requests", admin.list_requests, front=True, merge=peers.requests_list),
+    Route("GET", "/v1/requests/{id}", admin.get_request, front=True, merge=peers.by_id),
+    Route("POST", "/v1/requests/{id}/abort", admin.abort_request, front=True, action="request.abort",
+          merge=peers.by_id),
+    Route("GET", "/v1/sessions", admin.list_sessions, front=True),
+    Route("GET", "/v1/sessions/{key}", admin.get_session, front=True),
+    Route("GET", "/v1/dashboard", dashboard.snapshot, merge=peers.dashboard),
+    Route("GET", dashboard.PAGE_PATH, dashboard.dashboard_page),
+)
 
 
 class App:
@@ -230,28 +258,16 @@ class App:
         front.add("POST", anthropic.MESSAGES, self.gw.messages.create)
         front.add("POST", anthropic.COUNT_TOKENS, self.gw.messages.count_tokens)
 
-        def on(plane: str, method: str, path: str, handler: Any) -> peers.Handler:
-            return peers.fanned(self.peers, plane, method, path, functools.partial(handler, ctl))
-
-        for method, path, handler in FRONT:
-            front.add(method, path, on("front", method, path, handler))
         back = Router()
-        for method, path, handler in [*FRONT, ("GET", "/metrics", metrics)]:
-            back.add(method, path, on("admin", method, path, handler))
         self.operator_paths: set[str] = set()
-        for method, path, handler, action in admin.ROUTES:
-            h = admin.audited(action, handler) if action else handler
-            back.add(method, path, on("admin", method, path, h))
-            if path in admin.REQUEST_PATHS:
-                front.add(method, path, on("front", method, path, h))  # a client key's own requests
+        for r in ROUTES:
+            h = functools.partial(admin.audited(r.action, r.handler) if r.action else r.handler, ctl)
+            back.add(r.method, r.path, peers.fanned(self.peers, "admin", r.merge, h))
+            if r.front or (r.path == "/metrics" and cfg.metrics_on_front):
+                front.add(r.method, r.path, peers.fanned(self.peers, "front", r.merge, h))
             else:
-                front.add(method, path, functools.partial(operator_only, ctl))
-                self.operator_paths.add(path)
-        if cfg.metrics_on_front:
-            front.add("GET", "/metrics", on("front", "GET", "/metrics", metrics))
-        else:
-            front.add("GET", "/metrics", functools.partial(operator_only, ctl))
-            self.operator_paths.add("/metrics")
+                front.add(r.method, r.path, functools.partial(operator_only, ctl))
+                self.operator_paths.add(r.path)
         dispatch = chain(front.dispatch, client_keys(self)) if self.gw.tenants is not None else front.dispatch
         on_error = refused(self) if cfg.access_log else None
         self.server = Server(dispatch, cfg.max_body_bytes, cfg.keepalive_s, cfg.head_timeout_s, cfg.body_timeout_s,
