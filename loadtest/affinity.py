@@ -31,7 +31,7 @@ from rich.table import Table
 
 from loadtest import agents
 from loadtest.output import pyplot, save, write
-from loadtest.procs import Proc, free_port, require_router, wait_http, worker_tables
+from loadtest.procs import Proc, free_port, require_router, stop_all, wait_http, worker_tables
 
 POLICIES = ("round_robin", "least_loaded", "session", "cache_aware")
 ROUTER = "sglang-router cache_aware"
@@ -140,8 +140,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
             finally:
                 proc.stop()
     finally:
-        for p in reversed(procs):
-            p.stop()
+        stop_all(procs)
     rr = results["round_robin"]["ttft_p50_ms"]
     ca = results["cache_aware"]["ttft_p50_ms"]
     router = results.get(ROUTER, {}).get("ttft_p50_ms")

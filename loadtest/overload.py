@@ -46,7 +46,7 @@ import uvloop
 from rich.console import Console
 
 from loadtest.output import pyplot, save, write
-from loadtest.procs import Proc, free_port, peer_cmd, require_router, wait_http, worker_tables
+from loadtest.procs import Proc, free_port, peer_cmd, require_router, stop_all, wait_http, worker_tables
 from pdgate.planes.views import layout
 
 BODY = {"model": "sim-model", "messages": [{"role": "user", "content": "say hi"}], "max_tokens": 8}
@@ -388,8 +388,7 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         else:
             out = uvloop.run(measure(a, targets, pre, dec, console))
     finally:
-        for p in reversed(procs):
-            p.stop()
+        stop_all(procs)
     if a.speed_change:
         out = {"command": " ".join(sys.argv), "ttft_s": a.ttft, "total_s": a.total, "prefill_s": a.prefill_s,
                "engine_capacity": a.capacity, "phase_s": a.phase_s, "change_load": a.change_load, **out}

@@ -111,7 +111,7 @@ def stop_all(procs: list[Proc]) -> None:
     for p in reversed(procs):
         try:
             p.stop()
-        except Exception as e:  # noqa: BLE001 - raised below, after the rest are stopped
+        except Exception as e:  # raised below, after the rest are stopped
             failed = failed or e
     if failed is not None:
         raise failed
@@ -175,8 +175,10 @@ class Stack:
             self.procs.remove(p)
 
     def close(self) -> None:
-        stop_all(self.procs)
-        self.procs.clear()
+        try:
+            stop_all(self.procs)
+        finally:
+            self.procs.clear()
 
 
 ROUTER_MISSING = ("sglang-router is not installed here, and this comparison runs it: "

@@ -28,6 +28,11 @@ class Engines:
     def __call__(self, name: str) -> Engine:
         eng = self.made.get(name)
         if eng is None:
-            eng = self.made[name] = self.kinds[name](self.upstream)
+            eng = self.kinds[name](self.upstream)
+            members = [*Engine.__annotations__, *(n for n, v in vars(Engine).items() if callable(v) and n[0] != "_")]
+            missing = [m for m in members if not hasattr(eng, m)]
+            if missing:  # found when its workers are made, not as failed legs counted against them
+                raise TypeError(f"engine kind {name!r}: its adapter lacks {', '.join(missing)} (adapters.base.Engine)")
+            self.made[name] = eng
         return eng
 

@@ -30,6 +30,12 @@ if TYPE_CHECKING:
     from pdgate.pool.workers import Worker
 
 
+# what a leg passes on as it is (anything else its call raises is the worker's failure: counted, wrapped): a relayed
+# stream ends so with the client gone, or an error the relay or the leg's status already judged
+RELAYED = (asyncio.CancelledError, ClientGone, UpstreamError)
+CALLED = (asyncio.CancelledError,)
+
+
 class Flight:
     """An attempt's legs in flight: the prefill's task while it runs, then its outcome alone (a stream lasts
     minutes: the task object and its coroutine are let go); the decode's answer, kept open for a deferred abort."""
@@ -136,9 +142,11 @@ class Legs:
         of ``sending`` as it is sent (a stream that lasts minutes does not hold it: orjson's output keeps a 4 KiB
         buffer whatever its length); its answer is read whole, or, a streaming decode's, relayed to the client."""
         att, rec, decode = lease.att, ctx.rec, legs is not None
+        streamed = decode and rec.stream
+        passed = RELAYED if streamed else CALLED
         payload = sending.pop()
         try:
-            if not decode or not rec.stream:
+            if not streamed:
                 status, body = await w.adapter.call(w.url, ctx.route, payload, lease.headers)
             else:
                 resp = await w.adapter.open(w.url, ctx.route, payload, lease.headers)
@@ -160,7 +168,7 @@ class Legs:
                 finally:
                     if not kept:
                         resp.release()
-        except (asyncio.CancelledError, ClientGone, UpstreamError):
+        except passed:
             raise
         except Exception as exc:
             raise self.leg_failed(w, exc) from None

@@ -87,7 +87,8 @@ class Data(Response):
 
 
 def _mine(resp: Response | Stream) -> dict[str, Any]:
-    assert isinstance(resp, Data), "a merged route's own handler answers with peers.Data"
+    if not isinstance(resp, Data):
+        raise TypeError("a merged route's own handler answers with peers.Data")
     return resp.obj
 
 

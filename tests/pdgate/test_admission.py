@@ -497,3 +497,42 @@ def test_the_cold_start_estimate_counts_serving_prefills_and_moves_no_breaker(se
         p1.state, p1.breaker.state, p1.breaker.opened_at = State.BREAKER_OPEN, Breaker.OPEN, 0.0  # cooled down long ago
     assert gw.gate.running() == (8 if serving else 4)  # the initial limit, 4, on each prefill serving
     assert p1.state is (State.UP if serving else State.BREAKER_OPEN) and (serving or p1.breaker.state is Breaker.OPEN)
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_the_shed_estimate_is_those_ahead_and_itself_at_the_drain_rate_then_a_first_token(measured: bool) -> None:
+    """``Gate.refuse_early``: nine queued ahead and itself, drained at the measured rate (5/s: a slot every 0.2 s
+    while requests waited) or, before one is measured, at the cold start's (``Rates.little``: the prefill's initial
+    limit of 4 over the latest first token's 0.8 s, 5/s), then a first token's time: past a 1.5 s budget it is
+    answered at once, Retry-After the estimate rounded up; with nobody ahead it queues."""
+    import math
+    from types import SimpleNamespace
+
+    from pdgate.core.errors import Shed
+    from pdgate.path.gateway import Gateway
+    from pdgate.pool.workers import State
+
+    now = 100.0
+    gw = Gateway(make_config([SimpleNamespace(url="http://127.0.0.1:1", bootstrap_port=2)],  # type: ignore[list-item]
+                             [SimpleNamespace(url="http://127.0.0.1:3", bootstrap_port=None)]), clock=lambda: now)
+    gw.pool.prefill[0].state = State.UP
+    gate, normal = gw.gate, RANKS["normal"]
+    rec = SimpleNamespace(tenant="", deadlines=SimpleNamespace(ttft_s=1.5, total_s=60.0, ttft_at=now + 1.5,
+                                                               total_at=now + 60.0))
+    if measured:
+        gate.rates.waiting(now - 2.0, True)
+        for i in range(10):
+            gate.rates.free(now - 2.0 + i * 0.2)
+        gate.rates.first_token(0.3)
+    else:
+        for s in (0.2, 0.4, 0.6, 0.8):
+            gate.rates.first_token(s)
+    gate.refuse_early(rec, normal, "", 1.0, now)  # type: ignore[arg-type]  # nobody ahead: 0.2 s + a first token
+    for i in range(9):
+        gate.queue.push(Entry(normal, "", now + 1.0 + i * 0.01))
+    with pytest.raises(Shed) as shed:
+        gate.refuse_early(rec, normal, "", 1.0, now)  # type: ignore[arg-type]
+    assert gate.rates.ttft is not None
+    expect = (9 + 1) / 5.0 + gate.rates.ttft
+    assert shed.value.code == "deadline_unmeetable" and shed.value.headers == {"Retry-After": str(math.ceil(expect))}
+    assert f"about {expect:.2f}s (queue of 9 draining at 5.0/s)" in shed.value.message, shed.value.message

@@ -88,6 +88,15 @@ class Mini:
     def forget(self, url: str) -> None:
         pass
 
+    def output_tokens(self, route: str, body: dict[str, Any]) -> int | None:
+        return body.get("max_tokens", 4)  # type: ignore[no-any-return]
+
+    def limit_output(self, route: str, body: dict[str, Any], n: int) -> None:
+        body["max_tokens"] = min(n, body.get("max_tokens", n))
+
+    async def count_tokens(self, url: str, chat: dict[str, Any], timeout_s: float) -> int | None:
+        return None
+
 
 class MiniEngine:
     """One worker of the mini engine, prefill or decode; remembers what it was sent and what it was told to cancel."""
@@ -259,3 +268,14 @@ async def test_one_gateway_fronts_two_kinds_and_pairs_within_a_kind(procs: Procs
     async with http.get(g.admin + "/v1/workers") as r:
         assert {w["id"]: w["kind"] for w in (await r.json())["workers"]} == kinds
     await assert_clean(http, g.gw, [sp, sd, sd2])
+
+
+def test_an_adapter_that_lacks_part_of_the_seam_is_refused_when_its_workers_are_made() -> None:
+    """An adapter without ``call`` and ``open`` (how its legs are sent) is named when the gateway is made, not found
+    leg by leg as failures counted against its workers."""
+
+    Lacking = type("Lacking", (), {k: v for k, v in vars(Mini).items() if k not in ("call", "open")})
+    cfg = config([WorkerSpec("http://127.0.0.1:1", "prefill", engine="mini")],
+                 [WorkerSpec("http://127.0.0.1:2", "decode", engine="mini")])
+    with pytest.raises(TypeError, match=r"engine kind 'mini': its adapter lacks call, open"):
+        Gateway(cfg, engines={"mini": Lacking})

@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from pdgate.core.errors import WorkerLost
+from h1lite.server import ClientGone
+from pdgate.core.errors import UpstreamError, WorkerLost
 from pdgate.path.gate import Lease
 from pdgate.path.gateway import Gateway
 from pdgate.path.scope import Cause
@@ -214,5 +215,36 @@ async def test_a_lost_worker_cancels_the_attempt_with_what_was_lost() -> None:
         gw.pipeline.drain()
         await asyncio.wait_for(task, 5)
         assert lease.closed
+    finally:
+        await gw.stop()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("raised", ["UpstreamError", "ClientGone", "OSError"])
+async def test_a_prefill_call_that_raises_is_the_workers_failure_and_is_retried(raised: str, stream: bool) -> None:
+    """Whatever a prefill's call raises (the adapter's, or its transport's) counts against the worker's breaker, is
+    wrapped as an upstream error and retried, and the request ends in a clean 502 holding nothing (a review found
+    an ``UpstreamError`` passed on uncounted, and a ``ClientGone`` ending the request in a 500, when one function
+    first ran both roles' legs)."""
+    errors = {"UpstreamError": UpstreamError("prefill worker p0 said no", role="prefill", worker="p0"),
+              "ClientGone": ClientGone("not the client: the engine's call"), "OSError": OSError("reset")}
+    pool = Pool()
+    gw, transport = await gateway(pool, config())
+    ledger = Ledger(gw)
+
+    async def prefill_fails(call: Any) -> Any:
+        if call.base.startswith("http://prefill") and call.method == "POST" and call.target == "/v1/chat/completions":
+            raise errors[raised]
+        return await pool(call)
+
+    transport.handler = prefill_fails
+    try:
+        req, _ = request({**CHAT, "stream": stream})
+        resp = await asyncio.wait_for(gw.pipeline.handle(req, "/v1/chat/completions"), 5)
+        assert resp.status == 502, (resp.status, getattr(resp, "body", b"")[:300])
+        rec = next(iter(gw.traces.finished.values()))
+        assert len(rec.attempts) == gw.cfg.max_attempts, "retried before the first byte"
+        assert gw.pool.by_id["p0"].breaker.failures == gw.cfg.max_attempts, "each failed call counted"
+        assert not await settle(gw, pool, transport, ledger)
     finally:
         await gw.stop()
