@@ -12,6 +12,8 @@ import orjson
 from pdgate.core.errors import LoopLate
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable
+
     from pdgate.adapters.upstream import Answer, Upstream
     from pdgate.core.config import WorkerSpec
     from pdgate.core.record import Attempt
@@ -97,11 +99,11 @@ class Engine(Protocol):
     def decode_after(self, decode: bytes, prefill_answer: bytes) -> bytes:
         """A sequential engine's decode body, once the prefill has answered."""
 
-    async def call(self, url: str, route: str, body: bytes, headers: bytes) -> tuple[int, bytes]:
+    def call(self, url: str, route: str, body: bytes, headers: bytes) -> Awaitable[tuple[int, bytes]]:
         """One leg sent over the adapter's transport, its answer read whole: (status, body)."""
 
-    async def open(self, url: str, route: str, body: bytes, headers: bytes) -> Answer:
-        """One leg sent, back once its answer's head came (a stream; the caller releases it)."""
+    def open(self, url: str, route: str, body: bytes, headers: bytes) -> Awaitable[Answer]:
+        """One leg sent, done once its answer's head came (a stream; the caller releases it)."""
 
     def needs_prefill_answer(self, route: str, body: dict[str, Any]) -> bool:
         """Whether the decode's answer is merged with the prefill's (``merge``), which is then kept."""
@@ -149,11 +151,11 @@ class OverHTTP:
 
     up: Upstream
 
-    async def call(self, url: str, route: str, body: bytes, headers: bytes) -> tuple[int, bytes]:
-        return await self.up.post_read(url, route, body, headers)
+    def call(self, url: str, route: str, body: bytes, headers: bytes) -> Awaitable[tuple[int, bytes]]:
+        return self.up.post_read(url, route, body, headers)
 
-    async def open(self, url: str, route: str, body: bytes, headers: bytes) -> Answer:
-        return await self.up.open(url, route, body, headers)
+    def open(self, url: str, route: str, body: bytes, headers: bytes) -> Awaitable[Answer]:
+        return self.up.open(url, route, body, headers)
 
 
 def tokenize_body(chat: dict[str, Any]) -> bytes:

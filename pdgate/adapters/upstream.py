@@ -11,7 +11,7 @@ Upstream client errors are wrapped once, here, into ``pdgate.core.errors``.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import orjson
@@ -77,14 +77,16 @@ class Upstream:
         """At most ``n`` open connections to the engine at ``url`` (its capacity and headroom)."""
         self.client.limit(split_url(url)[0], n)
 
-    async def open(self, base: str, path: str, data: bytes, headers: bytes = b"") -> Answer:
-        """POST; returns once the status line and headers are in (a streamed answer). The caller releases it.
+    # a leg's two calls hand back the transport's own awaitable: no coroutine of ours between the leg and the
+    # socket, which every resumption would pass through
+    def open(self, base: str, path: str, data: bytes, headers: bytes = b"") -> Awaitable[Answer]:
+        """POST; done once the status line and headers are in (a streamed answer). The caller releases it.
         ``headers``: encoded header lines (``h1lite.client.header_lines``)."""
-        return await self.client.request(base, "POST", path, data, headers=self.auth + headers)
+        return self.client.request(base, "POST", path, data, headers=self.auth + headers)
 
-    async def post_read(self, base: str, path: str, data: bytes, headers: bytes = b"") -> tuple[int, bytes]:
+    def post_read(self, base: str, path: str, data: bytes, headers: bytes = b"") -> Awaitable[tuple[int, bytes]]:
         """POST and read the whole answer (at most ``max_body`` bytes)."""
-        return await self.client.fetch(base, "POST", path, data, headers=self.auth + headers)
+        return self.client.fetch(base, "POST", path, data, headers=self.auth + headers)
 
     async def post_within(self, base: str, path: str, data: bytes, timeout_s: float) -> tuple[int, bytes] | None:
         """POST and read the whole answer within ``timeout_s``; None when the engine did not answer (a best-effort
