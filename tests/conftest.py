@@ -1,13 +1,39 @@
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
 from tests.procs import Procs
+
+RUN_TMP = pytest.StashKey[tuple[Path, "str | None", "str | None"]]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every temporary file of a run in one folder of its own, removed when the run ends: ours (sims' logs, gateways'
+    state directories), and every process's we start, which inherit ``TMPDIR`` (vLLM's and SGLang's ZMQ sockets, a
+    ``--workers`` supervisor's folder). A run, or a test killed mid-way, leaves nothing in the machine's temp folder:
+    runs here had left thousands of folders and sockets there."""
+    base = Path(tempfile.mkdtemp(prefix="pdgate-run-"))
+    config.stash[RUN_TMP] = (base, os.environ.get("TMPDIR"), tempfile.tempdir)
+    os.environ["TMPDIR"] = tempfile.tempdir = str(base)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    base, env, before = config.stash[RUN_TMP]
+    if env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = env
+    tempfile.tempdir = before
+    shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.fixture
