@@ -184,8 +184,10 @@ def load_cluster(path: str | Path, allow_unsafe_kernel_profile: bool = False, ba
                    tuple(float(x) for x in top.get("restart_backoff_s", (0.5, 1, 2, 5, 10))))
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the supervisor process dies (Linux)."""
+def _in_the_child() -> None:
+    """In the child, before its command: a process group of its own (uvloop's subprocess takes no
+    ``process_group``), and SIGTERM when the supervisor process dies (Linux)."""
+    os.setpgid(0, 0)
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
@@ -248,10 +250,15 @@ class Supervisor:
         with open(self.log_path(c.spec.name), "ab") as out:  # noqa: ASYNC230 - a local log file
             out.write(f"--- start {time.strftime('%Y-%m-%d %H:%M:%S')}: {shown}\n".encode())
             out.flush()
-            # a session of its own: a terminal's Ctrl-C (SIGINT to the foreground process group) reaches
-            # the supervisor's process alone, which stops the workers itself, after the gateway drained
-            c.proc = await asyncio.create_subprocess_exec(*cmd, stdout=out, stderr=asyncio.subprocess.STDOUT,
-                                                          env=env, preexec_fn=_die_with_parent, start_new_session=True)
+            # a process group of its own: a terminal's Ctrl-C (SIGINT to the foreground process group) reaches
+            # the supervisor's process alone, which stops the workers itself, after the gateway drained. Not a
+            # session of its own: with the kernel's autogroup scheduling (on by default) every session is a
+            # scheduling group of its own, and a real engine's (its NIXL progress thread never sleeps) took the
+            # cores from the gateway's for up to 30 s at a time (scripts/sched_sessions.py); in ours, the
+            # gateway and the engines share the cores as threads do
+            c.proc = await asyncio.create_subprocess_exec(*cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                                                          stderr=asyncio.subprocess.STDOUT, env=env,
+                                                          preexec_fn=_in_the_child)
         c.starts += 1
         c.started_at = time.monotonic()
         c.ready.clear()

@@ -123,14 +123,17 @@ class Proc:
     env: dict[str, str]
     log: Path
     popen: subprocess.Popen[bytes] | None = None
-    new_session: bool = False  # its own session and process group (as a shell's job): killpg reaches it alone
+    # a process group of its own (as a shell's job), in this session: killpg reaches it alone, and the kernel's autogroup
+    # scheduler counts it with us (a session of its own was a group of its own there: real engines in theirs starved
+    # this session's processes for up to 30 s, engine/supervisor.py)
+    own_group: bool = False
     cwd: Path | None = None  # where it runs (default: the repository)
 
     def start(self) -> Proc:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         with open(self.log, "ab") as out:
-            self.popen = subprocess.Popen(self.args, cwd=self.cwd or ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                          start_new_session=self.new_session)
+            self.popen = subprocess.Popen(self.args, cwd=self.cwd or ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out,
+                                          stderr=subprocess.STDOUT, process_group=0 if self.own_group else None)
         return self
 
     @property

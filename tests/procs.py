@@ -73,8 +73,8 @@ class Procs:
     procs: list[Proc] = field(default_factory=list)
 
     def spawn(self, args: Sequence[str], env: dict[str, str] | None = None, name: str = "proc",
-              new_session: bool = False, cwd: Path | None = None) -> Proc:
-        p = Proc(list(args), env or {}, self.tmp / f"{name}-{len(self.procs)}.log", new_session=new_session,
+              own_group: bool = False, cwd: Path | None = None) -> Proc:
+        p = Proc(list(args), env or {}, self.tmp / f"{name}-{len(self.procs)}.log", own_group=own_group,
                  cwd=cwd).start()
         self.procs.append(p)
         return p

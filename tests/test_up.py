@@ -80,6 +80,22 @@ async def test_supervisor_restarts_a_killed_worker(tmp_path: Path) -> None:
     assert not alive(child.proc.pid)
 
 
+async def test_the_workers_run_in_process_groups_of_their_own_in_the_supervisors_session(tmp_path: Path) -> None:
+    """A worker's process group is its own (a terminal's Ctrl-C reaches the supervisor alone), its session the
+    supervisor's: with the kernel's autogroup scheduling every session is a scheduling group of its own, and a real
+    vLLM pair in sessions of their own starved the gateway's session for up to 30 s at a time
+    (``scripts/sched_sessions.py``; BENCHMARKS.md, run AC)."""
+    sup = Supervisor(load_cluster(cluster_file(tmp_path, 1, 1)))
+    try:
+        await sup.start()
+        for child in sup.children.values():
+            assert child.proc is not None
+            pid = child.proc.pid
+            assert (os.getpgid(pid), os.getsid(pid)) == (pid, os.getsid(0)), child.spec.name
+    finally:
+        await sup.stop()
+
+
 def test_cluster_file_errors_are_clear(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[[worker]]\nname = "x"\nrole = "router"\nport = 1\n')

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -67,3 +68,14 @@ def test_one_process_that_fails_to_stop_leaves_no_other_running(tmp_path: Path,
             if p.popen is not None and p.popen.poll() is None:
                 p.popen.kill()
                 p.popen.wait()
+
+
+def test_a_process_of_its_own_group_is_in_this_session(tmp_path: Path) -> None:
+    """``own_group``: killpg reaches it alone, and it shares this session (the kernel's autogroup scheduling counts it
+    with us: engines in sessions of their own starved this session's processes for seconds)."""
+    p = lp.Proc([sys.executable, "-c", "import time; time.sleep(30)"], {}, tmp_path / "p.log", own_group=True).start()
+    try:
+        assert (os.getpgid(p.pid), os.getsid(p.pid)) == (p.pid, os.getsid(0))
+        assert os.getpgid(0) != p.pid
+    finally:
+        lp.stop_all([p])

@@ -112,7 +112,7 @@ async def test_the_storm_compared_pdgate_clears_the_pins_the_routers_leave(tmp_p
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "loadtest", "storm", "--compare", "--iterations", "2", "--instances", "3", "--watchdog", "2",
         "--grace", "3", "--window", "7", "--request-timeout", "6", "--probe-timeout", "4", "--out", str(out),
-        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, process_group=0)
     try:
         stdout, _ = await asyncio.wait_for(proc.communicate(), 220)
     finally:  # timed out or failed: its sims and gateways go with it (its own process group)

@@ -161,8 +161,8 @@ async def test_drain_answers_live_requests(procs: Procs, http: aiohttp.ClientSes
 
 
 def test_ctrl_c_on_pdgate_up_drains_before_the_workers_stop(procs: Procs, tmp_path: Path) -> None:
-    """A terminal's Ctrl-C is SIGINT to the whole foreground process group. The workers live in sessions
-    of their own, so only `pdgate up` gets it: its gateway drains (the live stream finishes), then the
+    """A terminal's Ctrl-C is SIGINT to the whole foreground process group. The workers live in process
+    groups of their own, so only `pdgate up` gets it: its gateway drains (the live stream finishes), then the
     supervisor stops the workers. On cea4624 the workers died at once and the stream ended in 0.7 s."""
     port = free_port()
     cluster = cluster_file(tmp_path, 1, 1)
@@ -170,7 +170,7 @@ def test_ctrl_c_on_pdgate_up_drains_before_the_workers_stop(procs: Procs, tmp_pa
     cluster.write_text(text)
     up = procs.spawn([sys.executable, "-m", "pdgate", "up", "--cluster", str(cluster), "--port", str(port),
                       "--admin-port", str(free_port()), "--admin-key-file", str(tmp_path / "admin.key")],
-                     name="pdgate-up", new_session=True)
+                     name="pdgate-up", own_group=True)
     gw = f"http://127.0.0.1:{port}"
     wait_http(gw + "/readiness", timeout=60, proc=up.popen)
     client = openai.OpenAI(base_url=gw + "/v1", api_key="unused", max_retries=0)

@@ -66,7 +66,7 @@ class Engine:
             cmd, env = sglang_plan.command(self.entry), sglang_plan.environment(self.entry)[0]
         else:
             cmd, env = vllm_plan.command(self.entry), vllm_plan.environment(self.entry)
-        self.proc = Proc(cmd, {**env, **self.env}, self.log, new_session=True).start()
+        self.proc = Proc(cmd, {**env, **self.env}, self.log, own_group=True).start()
 
     def wait(self, timeout: float = START_S) -> float:
         t0 = time.monotonic()

@@ -47,7 +47,7 @@ def test_pdgate_up_with_a_real_engine_pair(procs: Procs, tmp_path: Path, kind: s
     key_file = tmp_path / "admin.key"
     up = procs.spawn([sys.executable, "-m", "pdgate", "up", "--cluster", str(cluster), "--port", str(port),
                       "--admin-port", str(admin), "--admin-key-file", str(key_file)], name="pdgate-up", cwd=tmp_path,
-                     new_session=True)
+                     own_group=True)
     gw = f"http://127.0.0.1:{port}"
     t0 = time.monotonic()
     try:
