@@ -36,6 +36,7 @@ from pdgate.path.scope import Tasks
 from pdgate.pool import policies
 from pdgate.pool.capacity import CONN_HEADROOM, UNKNOWN_MAX
 from pdgate.pool.health import Health
+from pdgate.pool.lineage import Lineage
 from pdgate.pool.routing import Routing
 from pdgate.pool.workers import Pool, State, Worker
 from pdgate.store import kinds as store_kinds
@@ -71,6 +72,11 @@ class Gateway:
         self.recent: deque[tuple[str, str, float]] = deque(maxlen=cfg.reconcile.recent_rids)
         self.otel = otel.make(cfg.otel)  # None: no OpenTelemetry
         self.obs = Observers(self.metrics, self.traces, self.otel, cfg.access_log, cfg.log_format, self.recent)
+        # what this process owns, where its successor finds it (the state directory: a restarted gateway aborts
+        # what a killed one left pinned); kept while ended rids are within a reconciliation's reach
+        rc = cfg.reconcile
+        self.lineage = Lineage(cfg.state_dir, self.instance, 2 * (rc.interval_s + rc.grace_s) + cfg.health.interval_s,
+                               rc.recent_rids)
         pname, dname = policy_names(cfg)
         self.store = store_kinds.make(cfg.store)  # what several gateway processes share (or this one alone)
         self.routing = Routing(self.pool, policies.make(pname, cfg.routing, self.store.shared),

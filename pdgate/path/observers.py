@@ -18,6 +18,7 @@ from pdgate.observe.traces import Traces
 if TYPE_CHECKING:
     from pdgate.observe.otel import Otel
     from pdgate.path.context import Ctx
+    from pdgate.pool.lineage import Lineage
 
 log = logging.getLogger("pdgate")
 T = TypeVar("T")
@@ -30,6 +31,7 @@ class Observers:
         self.access = access
         self.log_format = log_format
         self.recent = recent  # (worker id, rid, when it ended): count-mode reconciliation aborts these again
+        self.lineage: Lineage | None = None  # told what begins and ends while it records (``Control.record``)
         self.transitions: tuple[Observer, ...] = (metrics.on_transition,)
 
     def watch(self, observer: Observer) -> None:
@@ -54,6 +56,8 @@ class Observers:
 
     def attempt_started(self, ctx: Ctx, att: Attempt, now: float) -> Any:
         """The attempt's span (None without otel)."""
+        if self.lineage is not None:
+            self.lineage.began(att.rid, (att.prefill, att.decode))
         if self.otel is None or ctx.span is None:
             return None
         return self._otel(self.otel.attempt, ctx.span, ctx.rec, att, now)
@@ -82,6 +86,9 @@ class Observers:
         if rec.tenant is not None:
             self.metrics.tenant_tokens(rec.tenant, rec.prompt_tokens or 0,
                                        rec.completion_tokens if rec.completion_tokens is not None else rec.chunks)
+        lineage = self.lineage
         for a in rec.attempts:
             self.recent.append((a.prefill, a.rid, now))
             self.recent.append((a.decode, a.rid, now))
+            if lineage is not None:
+                lineage.ended(a.rid, now)

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 from pdgate.core.config import GatewayConfig, Role, WorkerSpec, worker_hosts_allowed
 from pdgate.observe.metrics import FLUSH_S, SharedFiles
 from pdgate.path.gateway import Gateway
-from pdgate.pool.lineage import RECORD_S, Lineage
+from pdgate.pool.lineage import RECORD_S
 from pdgate.pool.reconcile import Reconciler
 from pdgate.pool.workers import Worker
 from pdgate.store.base import Beat
@@ -51,9 +51,7 @@ class Control:
         self.store = gw.store
         self.supervisor = supervisor
         self.health_tasks: dict[str, asyncio.Task[None]] = {}
-        # what this process owns, where its successor finds it (the state directory: a restarted gateway aborts
-        # what a killed one left pinned)
-        self.lineage = Lineage(gw.cfg.state_dir, gw.instance)
+        self.lineage = gw.lineage
         self.reconciler = Reconciler(gw.cfg, gw.instance, gw.pool, gw.traces, gw.metrics, gw.recent, gw.store,
                                      gw.clock, self.lineage)
         self.tasks: list[asyncio.Task[None]] = []
@@ -105,35 +103,22 @@ class Control:
             if gw.gate.queue.n:
                 gw.gate.held_back(now)
 
-    def owned(self) -> dict[str, tuple[str, ...]]:
-        """The rids this process owns on the engines now: its live attempts' (on both legs' workers) and those that
-        ended within a reconciliation's reach (an abort an engine without fix A lost may have left them there)."""
-        gw, rc = self.gw, self.cfg.reconcile
-        rids: dict[str, tuple[str, ...]] = {}
-        for ctx in gw.live.values():
-            a = ctx.rec.attempt
-            if a is not None:
-                rids[a.rid] = tuple(w for w in (a.prefill, a.decode) if w)
-        since = gw.now() - 2 * (rc.interval_s + rc.grace_s) - self.cfg.health.interval_s
-        for wid, rid, ended in reversed(gw.recent):
-            if ended < since:
-                break
-            if rid not in rids:
-                rids[rid] = (wid,)
-            elif wid not in rids[rid]:
-                rids[rid] += (wid,)
-        return rids
-
     async def record(self) -> None:
-        """What this process owns, written to the state directory while it changes (``pdgate.pool.lineage``)."""
-        while True:
-            t0 = time.perf_counter()
-            try:
-                self.lineage.record(self.owned(), {w.id: w.url for w in self.gw.pool.by_id.values()})
-            except Exception:  # a full disk must not stop the gateway
-                log.exception("could not record this process's requests")
-            # at most 5% of the loop: thousands of live rids are recorded less often than a few
-            await asyncio.sleep(max(RECORD_S, 20 * (time.perf_counter() - t0)))
+        """What this process owns, written to the state directory while it changes (``pdgate.pool.lineage``): the
+        request path tells the lineage what begins and ends from now on."""
+        gw, lineage = self.gw, self.lineage
+        gw.obs.lineage = lineage
+        try:
+            while True:
+                t0 = time.perf_counter()
+                try:
+                    lineage.record(gw.now(), {w.id: w.url for w in gw.pool.by_id.values()})
+                except Exception:  # a full disk must not stop the gateway
+                    log.exception("could not record this process's requests")
+                # at most 5% of the loop: a whole record of thousands of rids is written less often than a few
+                await asyncio.sleep(max(RECORD_S, 20 * (time.perf_counter() - t0)))
+        finally:
+            gw.obs.lineage = None
 
     async def flush_metrics(self, files: SharedFiles) -> None:
         while True:

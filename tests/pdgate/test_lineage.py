@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdgate.pool.lineage import Lineage, running, start_ticks
+from pdgate.pool.lineage import COMPACT_MIN, Lineage, running, start_ticks
 
 
 def entry(d: Path, inst: str, **kw: object) -> None:
@@ -48,14 +48,63 @@ def test_one_claimant_and_its_rids_by_url_and_a_clean_stop(tmp_path: Path) -> No
     assert got == {"pdg-d0d0-1.1": ("http://127.0.0.1:1",)} and b.claim("d0d0") is None
     assert a.found == {"d0d0": 1}
     a.start()
-    a.record({"pdg-aaaa-2.1": ("p0", "d0")}, {"p0": "u", "d0": "v"})
-    assert json.loads((tmp_path / "instances" / "aaaa.json").read_text())["rids"] == {"pdg-aaaa-2.1": ["p0", "d0"]}
+    a.began("pdg-aaaa-2.1", ("p0", "d0"))
+    a.record(1.0, {"p0": "u", "d0": "v"})
+    assert Lineage._read(tmp_path / "instances" / "aaaa.json")["rids"] == {"pdg-aaaa-2.1": ["p0", "d0"]}
     a.close()
     assert not list((tmp_path / "instances").iterdir())
+
+
+def test_what_a_record_writes_follows_what_changed_not_what_is_live(tmp_path: Path) -> None:
+    """2,000 live streams are written once; then a tick with nothing new writes nothing, and one that saw one rid
+    begin and one drop out of reach appends one short line (a rewrite of every rid each tenth of a second held the
+    gateway's loop 2 ms in every 100: the streams' p99). The successor replays the lines to the same rids."""
+    a = Lineage(str(tmp_path), "aaaa", window_s=10.0)
+    a.start()
+    path = tmp_path / "instances" / "aaaa.json"
+    urls = {"p0": "http://127.0.0.1:1", "d0": "http://127.0.0.1:2"}
+    for i in range(2000):
+        a.began(f"pdg-aaaa-{i}.1", ("p0", "d0"))
+    a.record(1.0, urls)
+    size, inode = path.stat().st_size, path.stat().st_ino
+    a.record(1.1, urls)
+    assert path.stat().st_size == size, "nothing changed: nothing written"
+    a.ended("pdg-aaaa-0.1", 1.2)
+    a.began("pdg-aaaa-new.1", ("p0", "d0"))
+    a.record(1.3, urls)  # the ended one is still within reach: recorded yet
+    a.record(11.5, urls)  # now it is not
+    assert path.stat().st_ino == inode, "appended to, not written whole"
+    assert path.stat().st_size - size < 200, f"{path.stat().st_size - size} bytes for two changes"
+    want = {f"pdg-aaaa-{i}.1" for i in range(1, 2000)} | {"pdg-aaaa-new.1"}
+    assert set(a.owned()) == want
+    with path.open("ab") as f:  # a kill in the middle of a line
+        f.write(b'{"add": {"pdg-aaaa-cut')
+    e = Lineage._read(path)
+    assert e is not None and set(e["rids"]) == want and e["workers"] == urls
+
+
+def test_the_journal_is_written_whole_again_once_it_outgrows_its_rids(tmp_path: Path) -> None:
+    """Short requests churn: the lines appended are bounded by twice the rids (plus COMPACT_MIN), then the file is
+    written whole again; ended rids past ``keep`` are dropped, the oldest first."""
+    a = Lineage(str(tmp_path), "aaaa", window_s=1e9, keep=100)
+    a.start()
+    path = tmp_path / "instances" / "aaaa.json"
+    t = 0.0
+    for i in range(6 * COMPACT_MIN):
+        t += 0.001
+        a.began(f"pdg-aaaa-{i}.1", ("p0", "d0"))
+        a.ended(f"pdg-aaaa-{i}.1", t)
+        if i % 10 == 0:
+            a.record(t, {})
+            assert path.stat().st_size < 2 * 200 * 70 + COMPACT_MIN * 70, "the journal outgrew its rids"
+    a.record(t, {})
+    e = Lineage._read(path)
+    assert e is not None and set(e["rids"]) == set(a.owned()) == {f"pdg-aaaa-{i}.1" for i in range(6 * COMPACT_MIN - 100,
+                                                                                                  6 * COMPACT_MIN)}
 
 
 def test_no_state_directory_records_nothing(tmp_path: Path) -> None:
     x = Lineage("", "aaaa")
     x.start()
-    x.record({"r": ("p0",)}, {"p0": "u"})
+    x.record(1.0, {"p0": "u"})
     assert not x.enabled and x.predecessors() == [] and x.claim("d0d0") is None
