@@ -285,7 +285,7 @@ class GatewayConfig:
     admin_host: str = "127.0.0.1"
     admin_port: int = 30002  # 0: any free port
     admin_socket: str | None = None  # a Unix socket path for the admin plane instead of admin_host:admin_port
-    metrics_on_front: bool = False  # also serve /metrics on the front door (without a key, as SGLang does)
+    metrics_on_front: bool = False  # also serve /metrics on the front door (to client keys; keyless there, to anyone)
     keys: tuple[KeyConfig, ...] = ()  # client keys; none: the front door is open
     admin_keys: tuple[AdminKey, ...] = ()  # none: the admin plane is open (it must then stay on loopback)
     keys_file: str | None = None  # a TOML file with more [[keys]] and [[admin_keys]]

@@ -212,13 +212,14 @@ class Route:
     front: bool = False
     action: str | None = None
     merge: peers.Merge | None = None
+    front_if: Callable[[GatewayConfig], bool] | None = None  # at the front door too where this setting says so
 
 
 ROUTES = (
     Route("GET", "/v1/models", models, front=True),
     Route("GET", "/health", liveness, front=True),
     Route("GET", "/readiness", readiness, front=True),
-    Route("GET", "/metrics", metrics),  # at the front door too with ``metrics_on_front``
+    Route("GET", "/metrics", metrics, front_if=lambda cfg: cfg.metrics_on_front),  # as SGLang serves it, keyless
     Route("GET", "/v1/workers", admin.list_workers),
     Route("POST", "/v1/workers", admin.add_worker, action="worker.register"),
     Route("DELETE", "/v1/workers/{id}", admin.remove_worker, action="worker.remove"),
@@ -263,7 +264,7 @@ class App:
         for r in ROUTES:
             h = functools.partial(admin.audited(r.action, r.handler) if r.action else r.handler, ctl)
             back.add(r.method, r.path, peers.fanned(self.peers, "admin", r.merge, h))
-            if r.front or (r.path == "/metrics" and cfg.metrics_on_front):
+            if r.front or (r.front_if is not None and r.front_if(cfg)):
                 front.add(r.method, r.path, peers.fanned(self.peers, "front", r.merge, h))
             else:
                 front.add(r.method, r.path, functools.partial(operator_only, ctl))

@@ -96,6 +96,25 @@ async def test_every_operator_endpoint_wants_the_admin_key(procs: Procs, http: a
     assert len(g.gw.pool.by_id) == 2, "nothing the refused calls asked for happened"
 
 
+async def test_metrics_on_the_front_door_only_where_the_setting_says(procs: Procs, http: aiohttp.ClientSession,
+                                                                    gateways: list[Any]) -> None:
+    """``metrics_on_front`` serves ``/metrics`` at the front door, where SGLang's scrapers look, to any client key (a
+    front door with no keys: to anyone, as SGLang does), and nothing else of the operator's; without it the front
+    door refuses it to every key."""
+    p, d = procs.pair()
+    on = await gateway(gateways, [p], [d], **keyed(), metrics_on_front=True)
+    assert (await call(http, "GET", on.url + "/metrics"))[0] == 401, "a keyed front door wants a key for it too"
+    status, body, headers = await call(http, "GET", on.url + "/metrics", A_KEY)
+    assert status == 200 and "pdgate_requests_total" in body, (status, str(body)[:200])
+    assert headers["Content-Type"].startswith("text/plain")
+    assert (await call(http, "GET", on.url + "/v1/workers", A_KEY))[0] == 403, "the setting opens /metrics alone"
+    open_ = await gateway(gateways, [p], [d], metrics_on_front=True)
+    assert (await call(http, "GET", open_.url + "/metrics"))[0] == 200
+    off = await gateway(gateways, [p], [d], **keyed())
+    assert (await call(http, "GET", off.url + "/metrics"))[0] == 401
+    assert (await call(http, "GET", off.url + "/metrics", A_KEY))[0] == 403
+
+
 async def test_front_door_without_the_admin_plane_split_would_serve_anyone(procs: Procs, http: aiohttp.ClientSession,
                                                                          gateways: list[Any]) -> None:
     """The mechanism switched off: an admin plane with no admin key answers anyone who reaches it; that is
