@@ -50,19 +50,8 @@ while last < end:
 BURN = "import sys, time\nend = time.monotonic() + float(sys.argv[1])\nwhile time.monotonic() < end: pass"
 
 
-def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return dict(json.loads(r.read()))
-
-
 def one_request(prefill: str, decode: str) -> None:
-    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-    first = post(prefill, {**body, "max_tokens": 1, "kv_transfer_params": {
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
-        "remote_host": None, "remote_port": None}})
-    post(decode, {**body, "kv_transfer_params": first["kv_transfer_params"]})
+    plan.direct_request(prefill, decode, "tiny-llama")
 
 
 def run(mode: str, seconds: float, tmp: Path) -> dict[str, Any]:

@@ -74,3 +74,23 @@ def command(w: dict[str, Any], build_model: bool = True) -> list[str]:
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
             "--enable-scale-out",  # /inference/v1/abort_requests answers (else 403): the gateway aborts by id
             *[str(a) for a in w.get("args", [])]]
+
+
+def direct_request(prefill: str, decode: str, model: str, content: str = "hi", request_id: str | None = None,
+                   timeout_s: float = 120.0) -> dict[str, Any]:
+    """One request through a pair at ``prefill`` and ``decode`` (base URLs) as vLLM's toy proxy sends it, with no
+    gateway: the prefill computes one token and keeps the KV for a remote decode, whose request carries the prefill's
+    ``kv_transfer_params`` (NIXL reads the KV). The decode's answer."""
+    import urllib.request
+
+    def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+        headers = {"Content-Type": "application/json", **({"X-Request-Id": request_id} if request_id else {})}
+        req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(), headers=headers)
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return dict(json.loads(r.read()))
+
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 2}
+    first = post(prefill, {**body, "max_tokens": 1, "kv_transfer_params": {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
+        "remote_host": None, "remote_port": None}})
+    return post(decode, {**body, "kv_transfer_params": first["kv_transfer_params"]})

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from engine.vllm import plan
 from tests.procs import free_port
 from tests.real.common import gw  # noqa: F401 - the gateway fixture of either tier
 from tests.real.engines import Engine, Pair, require_installed, running
@@ -25,20 +24,8 @@ __all__ = ["Engine", "Pair"]
 def warm_up(p: Pair) -> float:
     """One request through the pair as vLLM's toy proxy sends it, before any test: the first KV transfer makes NIXL's
     handshake between the two, which took up to ~30 s here (measured: 0.3-35 s); a test's budget is not for that."""
-    import json
-
-    def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-        req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json", "X-Request-Id": "pdgate-warm-up"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return dict(json.loads(r.read()))
-
-    body = {"model": p.model, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 2}
     t0 = time.monotonic()
-    first = post(p.prefill.url, {**body, "max_tokens": 1, "kv_transfer_params": {
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None, "remote_block_ids": None,
-        "remote_host": None, "remote_port": None}})
-    post(p.decode.url, {**body, "kv_transfer_params": first["kv_transfer_params"]})
+    plan.direct_request(p.prefill.url, p.decode.url, p.model, "warm up", "pdgate-warm-up")
     return time.monotonic() - t0
 
 
