@@ -76,8 +76,15 @@ class Observers:
         self.metrics.aborts.labels(role, result).inc()
 
     def finished(self, ctx: Ctx, now: float) -> None:
-        """The record is terminal: traces keep it, OpenTelemetry ends its span, the access log has its line."""
+        """The record is terminal: its rids are recently ended (first: whatever an observer below raises), traces
+        keep it, OpenTelemetry ends its span, the access log has its line."""
         rec = ctx.rec
+        lineage = self.lineage
+        for a in rec.attempts:
+            self.recent.append((a.prefill, a.rid, now))
+            self.recent.append((a.decode, a.rid, now))
+            if lineage is not None:
+                lineage.ended(a.rid, now)
         self.traces.finish(rec)
         if ctx.span is not None and self.otel is not None:
             self._otel(self.otel.finish, ctx.span, rec)
@@ -86,9 +93,3 @@ class Observers:
         if rec.tenant is not None:
             self.metrics.tenant_tokens(rec.tenant, rec.prompt_tokens or 0,
                                        rec.completion_tokens if rec.completion_tokens is not None else rec.chunks)
-        lineage = self.lineage
-        for a in rec.attempts:
-            self.recent.append((a.prefill, a.rid, now))
-            self.recent.append((a.decode, a.rid, now))
-            if lineage is not None:
-                lineage.ended(a.rid, now)

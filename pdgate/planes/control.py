@@ -68,6 +68,8 @@ class Control:
         gw = self.gw
         await self.store.start(gw.instance, self.workers_changed)
         self.lineage.start()
+        if self.lineage.enabled:  # before the front door listens: every attempt is told to it from the first
+            gw.obs.lineage = self.lineage
         if self.store.shared:
             await self.sync_workers()  # the config's workers seed an empty store
         await asyncio.gather(*(gw.health.check(w) for w in gw.pool.by_id.values()))
@@ -105,9 +107,8 @@ class Control:
 
     async def record(self) -> None:
         """What this process owns, written to the state directory while it changes (``pdgate.pool.lineage``): the
-        request path tells the lineage what begins and ends from now on."""
+        request path has told the lineage what begins and ends since ``start``; it stops telling when this ends."""
         gw, lineage = self.gw, self.lineage
-        gw.obs.lineage = lineage
         try:
             while True:
                 t0 = time.perf_counter()

@@ -219,7 +219,7 @@ ROUTES = (
     Route("GET", "/v1/models", models, front=True),
     Route("GET", "/health", liveness, front=True),
     Route("GET", "/readiness", readiness, front=True),
-    Route("GET", "/metrics", metrics, front_if=lambda cfg: cfg.metrics_on_front),  # as SGLang serves it, keyless
+    Route("GET", "/metrics", metrics, front_if=lambda cfg: cfg.metrics_on_front),  # where SGLang's scrapers look
     Route("GET", "/v1/workers", admin.list_workers),
     Route("POST", "/v1/workers", admin.add_worker, action="worker.register"),
     Route("DELETE", "/v1/workers/{id}", admin.remove_worker, action="worker.remove"),

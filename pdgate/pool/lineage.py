@@ -151,14 +151,25 @@ class Lineage:
         if changed:
             delta["workers"] = urls
         path = self._path(self.instance)
-        try:
-            with open(path, "ab") as f:  # one write: a kill leaves whole lines and at most one cut short
-                f.write(orjson.dumps(delta) + b"\n")
+        line = orjson.dumps(delta) + b"\n"
+        try:  # one write: a kill leaves whole lines and at most one cut short
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND)  # never created here: a file without its first line
+        except FileNotFoundError:  # would name no process (removed, or claimed by a sibling that took this one
+            self._write_whole(urls)  # for gone): written whole again, at once
+            return
         except OSError as exc:
             log.warning("could not record this process's requests in %s: %s", path, exc)
             self.whole, self.added, self.dropped = False, [], []  # the next change writes it whole
             return
-        self.appended += n
+        try:
+            os.write(fd, line)
+        except OSError as exc:
+            log.warning("could not record this process's requests in %s: %s", path, exc)
+            self.whole, self.added, self.dropped = False, [], []  # the next change writes it whole
+            return
+        finally:
+            os.close(fd)
+        self.appended += n + (len(urls) if changed else 0)
         self.urls = dict(urls)
         self.added, self.dropped = [], []
 

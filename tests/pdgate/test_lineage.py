@@ -108,3 +108,32 @@ def test_no_state_directory_records_nothing(tmp_path: Path) -> None:
     x.start()
     x.record(1.0, {"p0": "u"})
     assert not x.enabled and x.predecessors() == [] and x.claim("d0d0") is None
+
+
+def test_a_record_found_missing_is_written_whole_again(tmp_path: Path) -> None:
+    """Removed by hand, or claimed by a sibling that took this process for gone: an append would make a file whose
+    first line names no process (never a predecessor for anyone); the whole record is written again instead."""
+    a = Lineage(str(tmp_path), "aaaa", window_s=10.0)
+    a.start()
+    a.began("pdg-aaaa-1.1", ("p0", "d0"))
+    a.record(1.0, {"p0": "u", "d0": "v"})
+    path = tmp_path / "instances" / "aaaa.json"
+    path.unlink()
+    a.began("pdg-aaaa-2.1", ("p0", "d0"))
+    a.record(1.1, {"p0": "u", "d0": "v"})
+    e = Lineage._read(path)
+    assert e is not None and e["pid"] == os.getpid() and e["instance"] == "aaaa"
+    assert set(e["rids"]) == {"pdg-aaaa-1.1", "pdg-aaaa-2.1"} and e["workers"] == {"p0": "u", "d0": "v"}
+
+
+def test_worker_changes_count_toward_writing_it_whole(tmp_path: Path) -> None:
+    """A pool whose URLs change on every tick (workers coming and going) appends the whole URL map each time: those
+    count like rids, so the file stays bounded with no request at all."""
+    a = Lineage(str(tmp_path), "aaaa")
+    a.start()
+    path = tmp_path / "instances" / "aaaa.json"
+    urls = {f"w{i}": f"http://127.0.0.1:{10000 + i}" for i in range(64)}
+    for t in range(1000):
+        a.record(float(t), {**urls, "flip": str(t)})
+        assert path.stat().st_size < 4 * (COMPACT_MIN + 65) * 40, "the journal outgrew what it says"
+    assert Lineage._read(path)["workers"] == {**urls, "flip": "999"}

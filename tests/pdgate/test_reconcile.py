@@ -14,6 +14,8 @@ import aiohttp
 import pytest
 
 from pdgate.core.config import ReconcileConfig, StoreConfig
+from pdgate.planes.control import Control
+from pdgate.pool.lineage import Lineage
 from tests.engine.simclient import engine_requests, gauge, set_faults, wait_gauge
 from tests.pdgate.harness import make_config, start_gateway
 from tests.pdgate.test_outcomes import CHAT, gateway, post
@@ -317,3 +319,30 @@ async def test_count_mode_judges_each_engine_count_once_against_what_we_held_the
 async def post_raw_body(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> bytes:
     async with http.post(url + "/v1/chat/completions", json=body) as r:
         return await r.read()
+
+
+async def test_what_begins_before_the_background_work_starts_is_recorded(
+        procs: Procs, http: aiohttp.ClientSession, gateways: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front door listens before the background work (the lineage's record task) starts (``App.start``): a
+    request served in between is in the record a successor reads, by the rid its engines saw (the client's
+    x-request-id and the attempt). When the record task was what told the request path to report to the lineage,
+    it was never recorded."""
+    real_run = Control.run
+    started = asyncio.Event()
+
+    def late_run(self: Control) -> None:  # the background work starts a second after the front door listens
+        asyncio.get_running_loop().call_later(1.0, lambda: (real_run(self), started.set()))
+
+    monkeypatch.setattr(Control, "run", late_run)
+    p, d = procs.pair()
+    g = await gateway(gateways, [p], [d])
+    status, _, rid = await post(http, g, CHAT)
+    assert status == 200 and not started.is_set(), "served before the background work started"
+    await asyncio.wait_for(started.wait(), 5)
+    path = Path(g.gw.cfg.state_dir or "") / "instances" / f"{g.gw.instance}.json"
+    for _ in range(50):  # the record task's first tick
+        rec = Lineage._read(path)
+        if rec is not None and rid + ".1" in rec["rids"]:
+            break
+        await asyncio.sleep(0.05)
+    assert rec is not None and rid + ".1" in rec["rids"], (rid, rec)
