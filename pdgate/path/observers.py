@@ -31,7 +31,7 @@ class Observers:
         self.access = access
         self.log_format = log_format
         self.recent = recent  # (worker id, rid, when it ended): count-mode reconciliation aborts these again
-        self.lineage: Lineage | None = None  # told what begins and ends while it records (``Control.record``)
+        self.lineage: Lineage | None = None  # told what begins and ends once the lineage started (``Control.start``)
         self.transitions: tuple[Observer, ...] = (metrics.on_transition,)
 
     def watch(self, observer: Observer) -> None:
