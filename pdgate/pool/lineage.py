@@ -9,8 +9,10 @@ stop removes the file.
 
 The file is a journal, so that what a record costs follows what changed, not what is live: its first line is the
 whole record (one JSON object), each line after it what changed since (``add``: rids begun, ``drop``: rids out of
-reach now, ``workers``: the URLs, whole), appended at most every ``RECORD_S``. When the lines appended since
-outnumber the rids twice over, the file is written whole again (write and rename). Thousands of live streams are
+reach now, ``workers``: the URLs, whole), appended at most every ``RECORD_S``. When the changes appended since
+(a rid begun or dropped, a URL) outnumber twice the rids plus ``COMPACT_MIN``, the file is written whole again
+(write and rename); so is a file found missing (removed by hand, or claimed by a sibling that took this process
+for gone). Thousands of live streams are
 recorded once, not every tenth of a second (a full rewrite of 2,000 rids held the loop 2 ms in every 100: the
 streams' p99 delay). A reader replays the lines; a last line a kill cut short is skipped.
 
@@ -119,10 +121,6 @@ class Lineage:
     def ended(self, rid: str, now: float) -> None:
         """Its attempt ended: it stays recorded for ``window_s`` (the newest ``keep`` of them)."""
         self.ended_at.append((now, rid))
-
-    def owned(self) -> dict[str, tuple[str, ...]]:
-        """The rids this process owns on the engines (as the next record will say, expired ones aside)."""
-        return dict(self.rids)
 
     def record(self, now: float, urls: dict[str, str]) -> None:
         """Write what changed: the rids begun, those ended more than ``window_s`` ago (or past ``keep``) dropped, and

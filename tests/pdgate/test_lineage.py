@@ -76,7 +76,6 @@ def test_what_a_record_writes_follows_what_changed_not_what_is_live(tmp_path: Pa
     assert path.stat().st_ino == inode, "appended to, not written whole"
     assert path.stat().st_size - size < 200, f"{path.stat().st_size - size} bytes for two changes"
     want = {f"pdg-aaaa-{i}.1" for i in range(1, 2000)} | {"pdg-aaaa-new.1"}
-    assert set(a.owned()) == want
     with path.open("ab") as f:  # a kill in the middle of a line
         f.write(b'{"add": {"pdg-aaaa-cut')
     e = Lineage._read(path)
@@ -99,7 +98,7 @@ def test_the_journal_is_written_whole_again_once_it_outgrows_its_rids(tmp_path: 
             assert path.stat().st_size < 2 * 200 * 70 + COMPACT_MIN * 70, "the journal outgrew its rids"
     a.record(t, {})
     e = Lineage._read(path)
-    assert e is not None and set(e["rids"]) == set(a.owned()) == {f"pdg-aaaa-{i}.1" for i in range(6 * COMPACT_MIN - 100,
+    assert e is not None and set(e["rids"]) == {f"pdg-aaaa-{i}.1" for i in range(6 * COMPACT_MIN - 100,
                                                                                                   6 * COMPACT_MIN)}
 
 
