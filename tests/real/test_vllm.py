@@ -9,20 +9,41 @@ cores, whose NIXL progress threads poll without sleeping (docs/fidelity.md)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import time
 from typing import Any
 
 import aiohttp
 import pytest
 
+from engine.vllm import plan
 from tests.pdgate.harness import Running, start_gateway
 from tests.procs import Procs
 from tests.real import common
 from tests.real.conftest import Pair
-from tests.real.engines import MSG, SLACK_S, clean, config, healthy, sdk
+from tests.real.engines import MSG, SLACK_S, clean, config, healthy, require_installed, sdk
 
 pytestmark = pytest.mark.timeout(300)  # a decode restart (~40 s) and NIXL's stalls on two cores
+
+# AMX's tile data (XTILEDATA, bit 18 of the extended state) as a process of the vLLM environment sees it: whether the
+# kernel offers it (arch_prctl ARCH_GET_XCOMP_SUPP, 0x1021) and whether this process may run it (ARCH_GET_XCOMP_PERM)
+XTILEDATA = """import ctypes
+call, supp, perm = ctypes.CDLL(None).syscall, ctypes.c_ulong(), ctypes.c_ulong()
+call(158, 0x1021, ctypes.byref(supp)), call(158, 0x1022, ctypes.byref(perm))
+print(supp.value >> 18 & 1, perm.value >> 18 & 1)"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="AMX and arch_prctl's XCOMP calls are x86_64's")
+def test_the_engines_may_run_amx_wherever_the_cpu_offers_it() -> None:
+    """vLLM's CPU attention takes its AMX kernel wherever the CPU reports AMX and never asks Linux for it: on a VM
+    reporting amx_tile the decode's worker died of SIGILL at its first step on a transferred KV (every request a 500,
+    the tier's warm-up first). The environment asks at every interpreter's start (engine/vllm/install.sh)."""
+    require_installed("vllm")
+    out = subprocess.run([plan.python(), "-c", XTILEDATA], capture_output=True, text=True, timeout=60, check=True)
+    offered, permitted = out.stdout.split()
+    assert permitted == offered, f"the kernel offers AMX ({offered}) and vLLM's processes may run it ({permitted})"
 async def direct_prompt_tokens(pair: Pair, messages: list[dict[str, Any]]) -> int:
     """What vLLM itself counts for this prompt: the decode asked directly, without PD (one token)."""
     async with aiohttp.ClientSession() as http, http.post(pair.decode.url + "/v1/chat/completions", json={
