@@ -201,6 +201,13 @@ def require_router() -> None:
 SMG = Path(os.environ.get("PDGATE_PEERS_DIR") or Path.home() / ".cache" / "pdgate" / "peers") / "smg" / "bin" / "smg"
 SMG_MISSING = "SMG 1.13 is not installed here, and this comparison runs it: bash loadtest/install_smg.sh"
 PEERS = ("sglang-router", "smg")  # the PD routers a comparison runs beside pdgate: sglang-router 0.3.2 and SMG 1.13
+FLOOR = "h1lite-floor"  # the least a Python PD relay on h1lite does: what pdgate's own features cost is measured over it
+
+
+def floor_cmd(port: int, prefill: str, bootstrap_port: int, decodes: list[str]) -> list[str]:
+    """The command line of ``benchmarks/h1lite_floor.py`` (``FLOOR``) on loopback."""
+    return [sys.executable, str(Path(__file__).resolve().parent.parent / "benchmarks" / "h1lite_floor.py"),
+            "--port", str(port), "--prefill", prefill, "--bootstrap-port", str(bootstrap_port), "--decode", *decodes]
 
 
 def peer_cmd(kind: str, port: int, prefills: list[tuple[str, int | None]], decodes: list[str],

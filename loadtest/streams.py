@@ -44,7 +44,20 @@ from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from loadtest.output import pyplot, save, write
-from loadtest.procs import PEERS, Proc, Stack, cpu_seconds, free_port, peer_cmd, require_router, tree, wait_http, worker_tables
+from loadtest.procs import (
+    FLOOR,
+    PEERS,
+    Proc,
+    Stack,
+    cpu_seconds,
+    floor_cmd,
+    free_port,
+    peer_cmd,
+    require_router,
+    tree,
+    wait_http,
+    worker_tables,
+)
 from loadtest.streamclient import raise_nofile
 
 RAMP_PER_S = 500  # new streams a second, by default
@@ -149,6 +162,8 @@ def gateway_args(name: str, eng: dict[str, Any], port: int, cfg: Path) -> list[s
         workers = int(name.split("-w", 1)[1]) if "-w" in name else 1
         return [py, "-m", "pdgate", "serve", "--config", str(cfg), "--port", str(port), "--admin-port", str(free_port()),
                 "--log-level", "WARNING"] + (["--workers", str(workers)] if workers > 1 else [])
+    if name == FLOOR:
+        return floor_cmd(port, eng["prefill"], eng["bootstrap_port"], eng["decodes"])
     return peer_cmd(name, port, [(eng["prefill"], eng["bootstrap_port"])], eng["decodes"])
 
 
@@ -483,6 +498,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="--streams-workload: relay capacity is where the p99 added over direct passes this")
     p.add_argument("--pdgate-workers", type=int, nargs="+", default=[1], metavar="K",
                    help="--streams-workload: pdgate once per K (K > 1: a target 'pdgate-wK', pdgate serve --workers K)")
-    p.add_argument("--streams-targets", nargs="+", choices=("pdgate", *PEERS),
+    p.add_argument("--streams-targets", nargs="+", choices=("pdgate", *PEERS, FLOOR),
                    default=["pdgate", *PEERS],
-                   help="--streams-workload: the gateways measured (direct always is: it is the baseline)")
+                   help="--streams-workload: the gateways measured (direct always is: it is the baseline); "
+                        f"{FLOOR}: the least a Python relay on h1lite does (benchmarks/h1lite_floor.py)")

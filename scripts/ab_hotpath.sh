@@ -3,6 +3,7 @@
 #   scripts/ab_hotpath.sh DIR BASEPORT   (DIR: a checkout, e.g. a worktree at another commit)
 # Zero-cost fake workers, one `pdgate serve`, 64 connections for 12 s; prints req/s and the gateway's CPU
 # (from /proc) per request. Run it alternately for the two checkouts: single runs vary by about 10% here.
+# FLOOR=1: the same with benchmarks/h1lite_floor.py (a bare PD relay on h1lite) in pdgate's place.
 set -euo pipefail
 dir=$1; base=$2
 PY=${PY:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}
@@ -11,8 +12,13 @@ $PY -m loadtest.fakeworker --role prefill --port $((base+1)) > /dev/null 2>&1 & 
 $PY -m loadtest.fakeworker --role decode --port $((base+2)) > /dev/null 2>&1 & p2=$!
 trap 'kill $p1 $p2 ${g:-} 2>/dev/null || true' EXIT
 sleep 1
-$PY -m pdgate serve --port $((base+3)) --admin-port $((base+4)) --prefill http://127.0.0.1:$((base+1)) 8998 \
-    --decode http://127.0.0.1:$((base+2)) --log-level WARNING > /dev/null 2>&1 & g=$!
+if [ "${FLOOR:-}" = 1 ]; then
+    $PY benchmarks/h1lite_floor.py --port $((base+3)) --prefill http://127.0.0.1:$((base+1)) --bootstrap-port 8998 \
+        --decode http://127.0.0.1:$((base+2)) > /dev/null 2>&1 & g=$!
+else
+    $PY -m pdgate serve --port $((base+3)) --admin-port $((base+4)) --prefill http://127.0.0.1:$((base+1)) 8998 \
+        --decode http://127.0.0.1:$((base+2)) --log-level WARNING > /dev/null 2>&1 & g=$!
+fi
 sleep 2
 t0=$(awk '{print $14+$15}' /proc/$g/stat)
 timeout 60 $PY -m loadtest bench --target http://127.0.0.1:$((base+3)) --concurrency 64 --duration 12 \
@@ -23,5 +29,5 @@ import json, os
 o = json.load(open('/tmp/ab-$base.json'))
 r = list(list(o['results'].values())[0].values())[0]
 tick = os.sysconf('SC_CLK_TCK')
-print('$dir', 'rps', round(r['rps']), 'gateway cpu us/req', round(($t1 - $t0) / tick * 1e6 / r['ok'], 1))
+print('$dir' + (' (floor)' if '${FLOOR:-}' == '1' else ''), 'rps', round(r['rps']), 'gateway cpu us/req', round(($t1 - $t0) / tick * 1e6 / r['ok'], 1))
 "

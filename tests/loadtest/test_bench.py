@@ -41,16 +41,17 @@ def test_bench_needs_a_target() -> None:
 
 
 def test_compare_on_fake_workers_serves_every_target(tmp_path: Path) -> None:
-    """The zero-cost fake workers speak enough SGLang for direct, pdgate and the real sglang-router."""
+    """The zero-cost fake workers speak enough SGLang for direct, pdgate, the real sglang-router and the floor (a bare
+    relay on h1lite, ``--floor``)."""
     out = tmp_path / "fake.json"
     r = subprocess.run([sys.executable, "-m", "loadtest", "bench", "--compare", "--workers", "fake", "--workloads", "s64",
-                        "ns16", "ns200rps", "--duration", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                        "ns16", "ns200rps", "--duration", "1", "--floor", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["workers"] == "fake"
     for wl in ("s64", "ns16", "ns200rps"):
-        for target in ("direct", "pdgate", "sglang-router"):
+        for target in ("direct", "pdgate", "sglang-router", "h1lite-floor"):
             m = res["results"][wl][target]
             assert m["ok"] > 100 and m["errors"] == 0, (wl, target, m)
             # every process's CPU per request is counted, and the parts add up to the machine total

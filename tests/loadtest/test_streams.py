@@ -206,7 +206,8 @@ def streams_args(tmp_path: Path, *extra: str) -> argparse.Namespace:
 
 @pytest.mark.timeout(150)
 def test_a_small_streams_run_through_direct_and_pdgate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """40 streams for a 1.5 s window, direct and pdgate; a pdgate-w2 that exits at start is skipped, saying why."""
+    """40 streams for a 1.5 s window, direct, pdgate and the floor (a bare relay on h1lite); a pdgate-w2 that exits at
+    start is skipped, saying why."""
     real = streams.gateway_args
 
     def args(name: str, eng: dict[str, Any], port: int, cfg: Path) -> list[str]:
@@ -216,14 +217,15 @@ def test_a_small_streams_run_through_direct_and_pdgate(tmp_path: Path, monkeypat
 
     monkeypatch.setattr(streams, "gateway_args", args)
     a = streams_args(tmp_path, "--streams", "40", "--duration", "1.5", "--ramp-s", "0.5", "--margin-s", "1", "--streams-targets", "pdgate",
-                     "--pdgate-workers", "1", "2")
+                     "h1lite-floor", "--pdgate-workers", "1", "2")
     out = streams.run(a)
     assert (tmp_path / "streams.png").stat().st_size > 5000
     saved = json.loads((tmp_path / "streams.json").read_text())
-    assert saved["targets"] == ["direct", "pdgate"] and set(saved["results"]) == {"direct", "pdgate"}
+    assert saved["targets"] == ["direct", "pdgate", "h1lite-floor"]
+    assert set(saved["results"]) == {"direct", "pdgate", "h1lite-floor"}
     assert "no such option --workers" in saved["skipped"]["pdgate-w2"]
     assert out["capacity"]["pdgate"]["label"] == "> 400"  # 40 x 10 events/s, far below any limit
-    for name in ("direct", "pdgate"):
+    for name in ("direct", "pdgate", "h1lite-floor"):
         m = saved["results"][name]["40"]
         assert m["errors"] == 0 and m["error_kinds"] == {}, (name, m)
         assert m["events_total"] == m["events_expected"] == 40 * m["max_tokens"], (name, m)
