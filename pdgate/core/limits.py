@@ -125,7 +125,12 @@ class Limiter:
 
     def top(self, engine_max: int | None) -> int:
         """The most it may reach: the engine's reported maximum and the operator's cap."""
-        return max(self.rules.floor, min(x for x in (engine_max, self.rules.cap, 1 << 30) if x is not None))
+        top, cap = 1 << 30, self.rules.cap  # twice a request: no generator
+        if engine_max is not None and engine_max < top:
+            top = engine_max
+        if cap is not None and cap < top:
+            top = cap
+        return max(self.rules.floor, top)
 
     def value(self, engine_max: int | None) -> int:
         """The limit now, within the floor, the operator's cap and the engine's reported maximum."""

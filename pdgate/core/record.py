@@ -32,12 +32,16 @@ class Phase(enum.Enum):
     # Enum's Python-level hash of the name; phases are dict and set keys on every transition.
     __hash__ = object.__hash__
 
-    @property
-    def terminal(self) -> bool:
-        return self in TERMINAL
+    # whether it ends a request: a plain attribute of each member (set below), read several times a request where
+    # a property would be a call each time; its name, on the hot path, is ``_value_`` (what Enum's ``value``
+    # property returns, read without the property's two calls)
+    terminal: bool
 
 
 TERMINAL = frozenset({Phase.COMPLETED, Phase.FAILED, Phase.ABORTED, Phase.DEADLINE_EXCEEDED})
+for _phase in Phase:
+    _phase.terminal = _phase in TERMINAL
+del _phase
 LIVE = (Phase.QUEUED, Phase.DISPATCHED, Phase.PREFILL, Phase.DECODE)
 
 ALLOWED: dict[Phase, frozenset[Phase]] = {
@@ -154,7 +158,7 @@ class Record:
 
     def __post_init__(self) -> None:
         self.phase_since = self.created
-        self.history.append((self.created, self.phase.value))
+        self.history.append((self.created, self.phase._value_))
 
     def note(self, text: str) -> None:
         """Say in its trace what the gateway changed of the client's request."""
@@ -185,7 +189,7 @@ def transition(rec: Record, to: Phase, now: float, observers: tuple[Observer, ..
     if to not in ALLOWED[frm]:
         raise IllegalTransition(rec.id, frm, to)
     rec.phase = to
-    rec.history.append((now, to.value))
+    rec.history.append((now, to._value_))
     if to.terminal:
         rec.outcome = to
         rec.ended_phase = frm

@@ -181,14 +181,15 @@ class Metrics:
         if to.terminal:
             if to is Phase.DEADLINE_EXCEEDED:
                 self.deadlines.labels(rec.budget or "", phase_label(frm)).inc()
-            key = (rec.route, to.value)
+            outcome: str = to._value_  # ``to.value`` without the property's calls (once a request, on every one)
+            key = (rec.route, outcome)
             self.finished[key] = self.finished.get(key, 0) + 1
-            e2e = self.e2e_hist.get(to.value)
+            e2e = self.e2e_hist.get(outcome)
             if e2e is None:
-                e2e = self.e2e_hist[to.value] = Hist()
+                e2e = self.e2e_hist[outcome] = Hist()
             e2e.observe((rec.finished_at or 0.0) - rec.created)
             model = self.model_label(rec.model)
-            mk = (model, to.value)
+            mk = (model, outcome)
             self.model_finished[mk] = self.model_finished.get(mk, 0) + 1
             if rec.first_token_at is not None:
                 self._hist(self.ttft_hist, model).observe(rec.first_token_at - rec.created)
@@ -201,7 +202,7 @@ class Metrics:
                 if n:
                     self.tokens[(model, kind)] = self.tokens.get((model, kind), 0) + n
             if rec.tenant is not None:
-                tk = (rec.tenant, to.value)
+                tk = (rec.tenant, outcome)
                 self.tenant_finished[tk] = self.tenant_finished.get(tk, 0) + 1
 
     def model_label(self, model: str | None) -> str:

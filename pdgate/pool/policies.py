@@ -248,9 +248,11 @@ class LeastLoaded(LoadPolicy):
     def by_load(self, loads: Sequence[int]) -> int | None:
         if not loads:
             return None
+        self._turn += 1
+        if len(loads) == 1:
+            return 0
         low = min(loads)
         ties = [i for i, v in enumerate(loads) if v == low]
-        self._turn += 1
         return ties[self._turn % len(ties)]
 
 
@@ -486,6 +488,8 @@ def select_pair(prefills: Sequence[W], decodes: Sequence[W], prefill_policy: Pol
     """Pick a (prefill, decode) pair; workers whose id() is in ``avoid`` are used only if nothing else is left;
     with ``same``, a decode that ``same(prefill, decode)`` says goes with the prefill picked."""
     def pool(ws: Sequence[W]) -> Sequence[W]:
+        if not avoid:  # a first attempt: every candidate
+            return ws
         fresh = [w for w in ws if id(w) not in avoid]
         return fresh or ws
 

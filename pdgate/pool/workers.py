@@ -163,8 +163,9 @@ class Worker:
         return self.slots.limit(now, self.load)
 
     def has_room(self, now: float) -> bool:
-        lim = self.slots.limit(now, self.load)
-        return lim is None or self.load < lim
+        load = self.load
+        lim = self.slots.limit(now, load)
+        return lim is None or load < lim
 
     @property
     def healthy(self) -> bool:
