@@ -26,7 +26,7 @@ SSE = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 async def main(a: argparse.Namespace) -> None:
-    client = Client(connect_timeout_s=5.0)
+    client = Client(connect_timeout_s=5.0, max_open=1 << 16)  # no cap of its own: a stream holds its connection
     loop = asyncio.get_running_loop()
     decodes = itertools.cycle(a.decode)
 
