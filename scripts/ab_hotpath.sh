@@ -4,6 +4,7 @@
 # Zero-cost fake workers, one `pdgate serve`, 64 connections for 12 s; prints req/s and the gateway's CPU
 # (from /proc) per request. Run it alternately for the two checkouts: single runs vary by about 10% here.
 # FLOOR=1: the same with benchmarks/h1lite_floor.py (a bare PD relay on h1lite) in pdgate's place.
+# KNOCK=metrics,traces,...: pdgate with those features knocked out (scripts/knockout_serve.py): what they cost.
 set -euo pipefail
 dir=$1; base=$2
 PY=${PY:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}
@@ -16,7 +17,8 @@ if [ "${FLOOR:-}" = 1 ]; then
     $PY benchmarks/h1lite_floor.py --port $((base+3)) --prefill http://127.0.0.1:$((base+1)) --bootstrap-port 8998 \
         --decode http://127.0.0.1:$((base+2)) > /dev/null 2>&1 & g=$!
 else
-    $PY -m pdgate serve --port $((base+3)) --admin-port $((base+4)) --prefill http://127.0.0.1:$((base+1)) 8998 \
+    serve=(-m pdgate); [ -n "${KNOCK:-}" ] && serve=(scripts/knockout_serve.py)
+    KNOCK=${KNOCK:-} $PY "${serve[@]}" serve --port $((base+3)) --admin-port $((base+4)) --prefill http://127.0.0.1:$((base+1)) 8998 \
         --decode http://127.0.0.1:$((base+2)) --log-level WARNING > /dev/null 2>&1 & g=$!
 fi
 sleep 2
@@ -29,5 +31,5 @@ import json, os
 o = json.load(open('/tmp/ab-$base.json'))
 r = list(list(o['results'].values())[0].values())[0]
 tick = os.sysconf('SC_CLK_TCK')
-print('$dir' + (' (floor)' if '${FLOOR:-}' == '1' else ''), 'rps', round(r['rps']), 'gateway cpu us/req', round(($t1 - $t0) / tick * 1e6 / r['ok'], 1))
+print('$dir' + (' (floor)' if '${FLOOR:-}' == '1' else '') + (' (knocked out: ${KNOCK:-})' if '${KNOCK:-}' else ''), 'rps', round(r['rps']), 'gateway cpu us/req', round(($t1 - $t0) / tick * 1e6 / r['ok'], 1))
 "
