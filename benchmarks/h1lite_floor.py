@@ -1,7 +1,7 @@
 """The floor of a PD relay on h1lite (issue 37; it replaces `aiohttp_floor.py`, the floor of the aiohttp days): h1lite's server,
 both legs through h1lite's pooled client, the prefill in a task of its own and the decode awaited, as pdgate runs
 them; a streamed answer relayed as it comes (``ClientResponse.pipe`` into the client's chunked stream, as
-``pdgate.path.relay`` does, less its framing per event); the decodes taken in turn. No validation, admission, record,
+``pdgate.path.relay`` does, less its framing per event; a client that is behind pauses the engine's reads); the decodes taken in turn. No validation, admission, record,
 deadlines, health checks, metrics or logs. What pdgate's own features cost is its CPU less this one's, measured alike:
 ``loadtest bench --compare --floor``, ``--streams-targets ... h1lite-floor``, ``scripts/ab_hotpath.sh`` with
 ``FLOOR=1``.
@@ -36,20 +36,28 @@ async def main(a: argparse.Namespace) -> None:
         data = orjson.dumps(body)
         decode = next(decodes)
         prefill = loop.create_task(client.fetch(a.prefill, "POST", request.path, data))
-        if not body.get("stream"):
-            status, out = await client.fetch(decode, "POST", request.path, data)
-            await prefill
-            return Response(out, status)
-        resp = await client.request(decode, "POST", request.path, data)
         try:
-            if resp.status != 200:
-                return Response(await resp.read(), resp.status)
-            stream = request.open_stream(200, SSE)
-            await resp.pipe(stream.send)
+            if not body.get("stream"):
+                status, out = await client.fetch(decode, "POST", request.path, data)
+                return Response(out, status)
+            resp = await client.request(decode, "POST", request.path, data)
+            try:
+                if resp.status != 200:
+                    return Response(await resp.read(), resp.status)
+                stream = request.open_stream(200, SSE)
+
+                def sink(event: bytes) -> None:  # as pdgate's relay: a client that is behind stops the engine's reads
+                    stream.send(event)
+                    if stream.blocked:
+                        resp.pause()
+                        stream.on_writable(resp.resume)
+
+                await resp.pipe(sink)
+            finally:
+                resp.release()
+            return stream
         finally:
-            resp.release()
-        await prefill
-        return stream
+            await prefill  # on every path: its failure is this request's
 
     router = Router()
     router.add("POST", "/v1/chat/completions", handle)
