@@ -9,19 +9,21 @@ set -euo pipefail
 dir=$1; base=$2
 PY=${PY:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}
 cd "$dir"
+export PYTHONPATH="$PWD"  # DIR's own pdgate and h1lite, whatever the environment's editable install points at
 $PY -m loadtest.fakeworker --role prefill --port $((base+1)) > /dev/null 2>&1 & p1=$!
 $PY -m loadtest.fakeworker --role decode --port $((base+2)) > /dev/null 2>&1 & p2=$!
 trap 'kill $p1 $p2 ${g:-} 2>/dev/null || true' EXIT
 sleep 1
 if [ "${FLOOR:-}" = 1 ]; then
     $PY benchmarks/h1lite_floor.py --port $((base+3)) --prefill http://127.0.0.1:$((base+1)) --bootstrap-port 8998 \
-        --decode http://127.0.0.1:$((base+2)) > /dev/null 2>&1 & g=$!
+        --decode http://127.0.0.1:$((base+2)) > /tmp/ab-$base.log 2>&1 & g=$!
 else
     serve=(-m pdgate); [ -n "${KNOCK:-}" ] && serve=(scripts/knockout_serve.py)
     KNOCK=${KNOCK:-} $PY "${serve[@]}" serve --port $((base+3)) --admin-port $((base+4)) --prefill http://127.0.0.1:$((base+1)) 8998 \
-        --decode http://127.0.0.1:$((base+2)) --log-level WARNING > /dev/null 2>&1 & g=$!
+        --decode http://127.0.0.1:$((base+2)) --log-level WARNING > /tmp/ab-$base.log 2>&1 & g=$!
 fi
 sleep 2
+kill -0 $g 2>/dev/null || { echo "the gateway exited at start: $(tail -1 /tmp/ab-$base.log)" >&2; exit 1; }
 t0=$(awk '{print $14+$15}' /proc/$g/stat)
 timeout 60 $PY -m loadtest bench --target http://127.0.0.1:$((base+3)) --concurrency 64 --duration 12 \
     --out /tmp/ab-$base.json > /dev/null 2>&1

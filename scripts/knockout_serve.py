@@ -48,5 +48,7 @@ if __name__ == "__main__":
         if name not in KNOCKS:
             sys.exit(f"KNOCK: unknown feature {name!r} (known: {', '.join(KNOCKS)})")
         for owner, attr, value in KNOCKS[name]:
+            if not hasattr(owner, attr):  # renamed since: knocking out nothing would measure nothing
+                sys.exit(f"KNOCK={name}: {owner.__name__}.{attr} is gone; update scripts/knockout_serve.py")
             setattr(owner, attr, value)
     main(sys.argv[1:])

@@ -101,3 +101,20 @@ async def test_bench_reports_goodput_against_its_slo_and_json_on_stdout(procs: P
     assert loose["ok"] > 0 and abs(loose["goodput_rps"] - loose["rps"]) <= 0.2 and loose["slo_met"] == 1.0
     assert abs(loose["tokens_s"] - 16 * loose["rps"]) <= 16 and loose["goodput_tokens_s"] == loose["tokens_s"]
     assert impossible["ok"] > 0 and impossible["goodput_rps"] == 0 and impossible["goodput_tokens_s"] == 0
+
+
+def test_every_knockout_names_what_is_there_and_an_unknown_one_is_refused() -> None:
+    """scripts/knockout_serve.py measures what a feature costs by replacing it: a target renamed since would be
+    knocked out of nothing (setattr makes a new attribute), and the run would measure nothing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("knockout_serve", ROOT / "scripts" / "knockout_serve.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    missing = [f"{name}: {owner.__name__}.{attr}" for name, knocks in mod.KNOCKS.items() for owner, attr, _ in knocks
+               if not hasattr(owner, attr)]
+    assert not missing and len(mod.KNOCKS) == 9, missing
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "knockout_serve.py"), "serve"], cwd=ROOT,
+                       env={"KNOCK": "metrics,bogus", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "unknown feature 'bogus'" in r.stderr, r.stderr[-500:]
