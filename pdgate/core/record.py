@@ -32,9 +32,9 @@ class Phase(enum.Enum):
     # Enum's Python-level hash of the name; phases are dict and set keys on every transition.
     __hash__ = object.__hash__
 
-    # whether it ends a request: a plain attribute of each member (set below), read several times a request where
-    # a property would be a call each time; its name, on the hot path, is ``_value_`` (what Enum's ``value``
-    # property returns, read without the property's two calls)
+    # whether it ends a request: a plain attribute of each member (set below), read several times a request where a
+    # property would be a call each time. (Where every request reads a phase's name, it reads ``_value_``: what Enum's
+    # ``value`` property returns, without the property's two calls.)
     terminal: bool
 
 

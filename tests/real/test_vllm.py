@@ -44,6 +44,8 @@ def test_the_engines_may_run_amx_wherever_the_cpu_offers_it() -> None:
     out = subprocess.run([plan.python(), "-c", XTILEDATA], capture_output=True, text=True, timeout=60, check=True)
     offered, permitted = out.stdout.split()
     assert permitted == offered, f"the kernel offers AMX ({offered}) and vLLM's processes may run it ({permitted})"
+
+
 async def direct_prompt_tokens(pair: Pair, messages: list[dict[str, Any]]) -> int:
     """What vLLM itself counts for this prompt: the decode asked directly, without PD (one token)."""
     async with aiohttp.ClientSession() as http, http.post(pair.decode.url + "/v1/chat/completions", json={
