@@ -1,10 +1,11 @@
-"""The floor of a PD relay on h1lite (issue 37; it replaces `aiohttp_floor.py`, the floor of the aiohttp days): h1lite's server,
-both legs through h1lite's pooled client, the prefill in a task of its own and the decode awaited, as pdgate runs
-them; a streamed answer relayed as it comes (``ClientResponse.pipe`` into the client's chunked stream, as
-``pdgate.path.relay`` does, less its framing per event; a client that is behind pauses the engine's reads); the decodes taken in turn. No validation, admission, record,
-deadlines, health checks, metrics or logs. What pdgate's own features cost is its CPU less this one's, measured alike:
-``loadtest bench --compare --floor``, ``--streams-targets ... h1lite-floor``, ``scripts/ab_hotpath.sh`` with
-``FLOOR=1``.
+"""The floor of a PD relay on h1lite (issue 37; it replaces ``aiohttp_floor.py``, the floor of the aiohttp days).
+
+h1lite's server, both legs through h1lite's pooled client, the prefill in a task of its own and the decode awaited,
+as pdgate runs them; a streamed answer relayed as it comes (``ClientResponse.pipe`` into the client's chunked stream,
+as ``pdgate.path.relay`` does, less its framing per event; a client that is behind pauses the engine's reads); the
+decodes taken in turn. No validation, admission, record, deadlines, health checks, metrics or logs. What pdgate's own
+features cost is its CPU less this one's, measured alike: ``loadtest bench --compare --floor``, ``--streams-targets ...
+h1lite-floor``, ``scripts/ab_hotpath.sh`` with ``FLOOR=1``.
 
 python benchmarks/h1lite_floor.py --port P --prefill URL --bootstrap-port B --decode URL [URL ...]
 """

@@ -1,5 +1,6 @@
-"""``pdgate serve`` with features knocked out, for measurement only (BENCHMARKS.md run AF, "Where pdgate's 97 µs go"):
-``KNOCK=metrics,traces,...`` replaces each named feature's per-request work with nothing, so a closed loop run against
+"""``pdgate serve`` with features knocked out, for measurement only.
+
+BENCHMARKS.md run AF, "Where pdgate's cost above the floor goes": ``KNOCK=metrics,traces,...`` replaces each named feature's per-request work with nothing, so a closed loop run against
 it (``KNOCK=... scripts/ab_hotpath.sh DIR PORT``) shows what that work costs. A knocked-out gateway is not a gateway to
 serve anyone: no metrics, no traces, no deadlines, no validation, as named.
 
