@@ -47,7 +47,20 @@ from rich.progress import Progress
 
 from loadtest import overload, streams
 from loadtest.output import pyplot, save, write
-from loadtest.procs import FLOOR, PEERS, Proc, Stack, cpu_seconds, floor_cmd, free_port, peer_cmd, require_router, wait_http
+from loadtest.procs import (
+    FLOOR,
+    KNOCKED,
+    PEERS,
+    ROOT,
+    Proc,
+    Stack,
+    cpu_seconds,
+    floor_cmd,
+    free_port,
+    peer_cmd,
+    require_router,
+    wait_http,
+)
 from pdgate.planes.views import layout
 
 PING = b'{"model":"sim-model","messages":[{"role":"user","content":"ping"}],"max_tokens":1}'
@@ -71,7 +84,7 @@ def gen(args: list[str]) -> dict[str, Any]:
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
-def start_targets(stack: Stack, mini_lb: bool, fake: bool = False, floor: bool = False) -> tuple[
+def start_targets(stack: Stack, mini_lb: bool, fake: bool = False, floor: bool = False, knockout: str = "") -> tuple[
         dict[str, Any], dict[str, tuple[str, Proc | None]]]:
     require_router()
     py = sys.executable
@@ -102,6 +115,12 @@ def start_targets(stack: Stack, mini_lb: bool, fake: bool = False, floor: bool =
         fp = free_port()
         targets[FLOOR] = (f"http://127.0.0.1:{fp}", stack.spawn(FLOOR, floor_cmd(fp, workers["prefill"], bp,
                                                                                   [workers["decode"]])))
+    if knockout:  # pdgate with those features' per-request work replaced by nothing: what is left when they are gone
+        kp = free_port()
+        targets[KNOCKED] = (f"http://127.0.0.1:{kp}", stack.spawn(KNOCKED, [
+            py, str(ROOT / "scripts" / "knockout_serve.py"), "serve", "--port", str(kp), "--admin-port", str(free_port()),
+            "--prefill", workers["prefill"], str(bp), "--decode", workers["decode"], "--log-level", "WARNING"],
+            env={"KNOCK": knockout}))
     for url, proc in targets.values():
         if url:
             wait_http(url + "/v1/chat/completions", timeout=60, proc=proc.popen if proc else None, data=PING)
@@ -181,7 +200,7 @@ def compare(a: argparse.Namespace) -> dict[str, Any]:
             if a.workloads == list(WORKLOADS):
                 a.workloads = VLLM_WORKLOADS
         else:
-            workers, targets = start_targets(stack, a.mini_lb, a.workers == "fake", a.floor)
+            workers, targets = start_targets(stack, a.mini_lb, a.workers == "fake", a.floor, a.knockout)
         # targets alternate within each workload and repeat, so a slow moment of the machine is shared
         runs = [(w, t, r) for r in range(a.repeats) for w in a.workloads
                 for t in (list(targets) if r % 2 == 0 else list(reversed(targets)))]
@@ -372,6 +391,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--mini-lb", action="store_true", help="also measure sglang's Python mini_lb")
     p.add_argument("--floor", action="store_true",
                    help="also measure the least a Python PD relay on h1lite does (benchmarks/h1lite_floor.py)")
+    p.add_argument("--knockout", default="", metavar="NAMES",
+                   help=f"also measure pdgate with these features knocked out ({KNOCKED}: scripts/knockout_serve.py, "
+                        "comma-separated, 'all' for every one); for measurement only")
     p.add_argument("--workers", choices=("sim", "fake", "vllm"), default="sim",
                    help="--compare on engine.sim workers at speed 0 (default), on zero-cost fake workers "
                         "(loadtest.fakeworker: the gateways bound throughput), or on a real vLLM PD pair (direct, "

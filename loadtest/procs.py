@@ -201,6 +201,7 @@ def require_router() -> None:
 SMG = Path(os.environ.get("PDGATE_PEERS_DIR") or Path.home() / ".cache" / "pdgate" / "peers") / "smg" / "bin" / "smg"
 SMG_MISSING = "SMG 1.13 is not installed here, and this comparison runs it: bash loadtest/install_smg.sh"
 PEERS = ("sglang-router", "smg")  # the PD routers a comparison runs beside pdgate: sglang-router 0.3.2 and SMG 1.13
+KNOCKED = "pdgate-knocked"  # pdgate with named features knocked out (scripts/knockout_serve.py): measurement only
 FLOOR = "h1lite-floor"  # the least a Python PD relay on h1lite does: what pdgate's own features cost is measured over it
 
 

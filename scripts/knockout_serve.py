@@ -6,7 +6,8 @@ serve anyone: no metrics, no traces, no deadlines, no validation, as named.
 
 Names: metrics (transition observer and histograms), events (attempt events), traces (the trace store), lineage (the
 successor's record), watchdog (the deadline timer), validation (body checks), usage (token counts from the answer),
-routing (the policies: first prefill, first decode), finished (``Observers.finished``: recent rids, traces, access log).
+routing (the policies: first prefill, first decode), finished (``Observers.finished``: recent rids, traces, access log);
+``KNOCK=all``: every one. ``loadtest bench --compare --knockout NAMES`` runs it beside the peers.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ KNOCKS: dict[str, list[tuple[Any, str, Any]]] = {
 }
 
 if __name__ == "__main__":
-    for name in filter(None, os.environ.get("KNOCK", "").split(",")):
+    names = os.environ.get("KNOCK", "")
+    for name in KNOCKS if names == "all" else filter(None, names.split(",")):
         if name not in KNOCKS:
             sys.exit(f"KNOCK: unknown feature {name!r} (known: {', '.join(KNOCKS)})")
         for owner, attr, value in KNOCKS[name]:

@@ -41,17 +41,17 @@ def test_bench_needs_a_target() -> None:
 
 
 def test_compare_on_fake_workers_serves_every_target(tmp_path: Path) -> None:
-    """The zero-cost fake workers speak enough SGLang for direct, pdgate, the real sglang-router and the floor (a bare
-    relay on h1lite, ``--floor``)."""
+    """The zero-cost fake workers speak enough SGLang for direct, pdgate, the real sglang-router, the floor (a bare
+    relay on h1lite, ``--floor``) and pdgate with every feature knocked out (``--knockout all``)."""
     out = tmp_path / "fake.json"
     r = subprocess.run([sys.executable, "-m", "loadtest", "bench", "--compare", "--workers", "fake", "--workloads", "s64",
-                        "ns16", "ns200rps", "--duration", "1", "--floor", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
+                        "ns16", "ns200rps", "--duration", "1", "--floor", "--knockout", "all", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["workers"] == "fake"
     for wl in ("s64", "ns16", "ns200rps"):
-        for target in ("direct", "pdgate", "sglang-router", "h1lite-floor"):
+        for target in ("direct", "pdgate", "sglang-router", "h1lite-floor", "pdgate-knocked"):
             m = res["results"][wl][target]
             assert m["ok"] > 100 and m["errors"] == 0, (wl, target, m)
             # every process's CPU per request is counted, and the parts add up to the machine total
@@ -117,4 +117,19 @@ def test_every_knockout_names_what_is_there_and_an_unknown_one_is_refused() -> N
     assert not missing and len(mod.KNOCKS) == 9, missing
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "knockout_serve.py"), "serve"], cwd=ROOT,
                        env={"KNOCK": "metrics,bogus", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "unknown feature 'bogus'" in r.stderr, r.stderr[-500:]
+
+
+def test_the_request_paths_cost_in_memory_is_measured_with_and_without_the_features() -> None:
+    """benchmarks/path_cost.py drives the whole request path in memory: every request answered 200 (it asserts so),
+    a cost per request; a knockout it does not know is refused, as knockout_serve.py refuses it."""
+    for knock in ("", "all"):
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "path_cost.py"), "--requests", "800",
+                            "--repeats", "1", *(("--knock", knock) if knock else ())], cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        out = json.loads(r.stdout)
+        assert out["us_per_request"] > 0 and len(out["runs"]) == 1 and out["knocked"] == (knock or None), out
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "path_cost.py"), "--knock", "metrics,bogus"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "unknown feature 'bogus'" in r.stderr, r.stderr[-500:]
