@@ -1,11 +1,12 @@
 """What pdgate's own request path costs a request, without sockets: CPU microseconds a request of the whole path
-(admission, gate, lease, both legs, outcome, every observer on its defaults) driven in memory, in one process.
+(admission, gate, lease, both legs, outcome, every observer on ``pdgate serve``'s defaults, the lineage record
+included) driven in memory, in one process.
 
-The closed loop's figure (``scripts/ab_hotpath.sh``, ``loadtest bench --compare``) is this plus h1lite's sockets,
-and moves by 10-20% between runs on a shared two-core machine; this one moves by a few percent, so a change to the
-request path is judged here first (``python benchmarks/path_cost.py``, run alternately for two checkouts with
-``PYTHONPATH=DIR``), then in the closed loop. ``--knock NAMES``: with those features knocked out
-(``scripts/knockout_serve.py``'s names, or ``all``).
+The closed loop's figure (``scripts/ab_hotpath.sh``, ``loadtest bench --compare``) is this plus h1lite's side of it
+(parsing the client's request, writing its answer, both legs' sockets), and moves by 10-20% between runs on a shared
+two-core machine; this one moves by a few percent, so a change to the request path is judged here first
+(``python benchmarks/path_cost.py``, run alternately for two checkouts from their own directories), then in the
+closed loop. ``--knock NAMES``: with those features knocked out (``scripts/knockout_serve.py``'s names, or ``all``).
 
 The engines answer at once (one turn of the loop each, as a socket's answer comes in a later turn): an SGLang pair's
 non-streaming answers, 16 completion tokens, as ``loadtest.fakeworker`` gives them.
@@ -16,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import importlib.util
 import json
 import sys
 import tempfile
@@ -27,10 +27,11 @@ from typing import Any
 import orjson
 
 from h1lite.server import Request
+from loadtest.procs import knockout_module
 from pdgate.core.config import GatewayConfig, WorkerSpec, validate
 from pdgate.path.gateway import Gateway
+from pdgate.pool.lineage import RECORD_S
 
-ROOT = Path(__file__).resolve().parent.parent
 BODY = orjson.dumps({"model": "mem-model", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16})
 DECODE = orjson.dumps({"id": "x", "object": "chat.completion", "model": "mem-model", "choices": [
     {"index": 0, "message": {"role": "assistant", "content": "tok " * 16}, "finish_reason": "length"}],
@@ -77,24 +78,24 @@ class Proto:
         pass
 
 
-def knock(names: str) -> None:
-    spec = importlib.util.spec_from_file_location("knockout_serve", ROOT / "scripts" / "knockout_serve.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    for name in mod.KNOCKS if names == "all" else names.split(","):
-        if name not in mod.KNOCKS:
-            sys.exit(f"--knock: unknown feature {name!r} (known: {', '.join(mod.KNOCKS)})")
-        for owner, attr, value in mod.KNOCKS[name]:
-            setattr(owner, attr, value)
-
-
 async def run(n: int, conc: int, state_dir: str) -> float:
     cfg = validate(GatewayConfig(prefill=(WorkerSpec(url="http://prefill0.mem:1", role="prefill", bootstrap_port=8998),),
                                  decode=(WorkerSpec(url="http://decode0.mem:1", role="decode"),), state_dir=state_dir))
     gw = Gateway(cfg, transport=Transport())  # type: ignore[arg-type]
     await asyncio.gather(*(gw.health.check(w) for w in gw.pool.by_id.values()))
     loop = asyncio.get_running_loop()
+    # the lineage as ``pdgate serve`` runs it (``Control.start`` and ``Control.record``): told of every attempt,
+    # written every RECORD_S
+    gw.lineage.start()
+    assert gw.lineage.enabled
+    gw.obs.lineage = gw.lineage
+
+    async def record() -> None:
+        while True:
+            gw.lineage.record(gw.now(), {w.id: w.url for w in gw.pool.by_id.values()})
+            await asyncio.sleep(RECORD_S)
+
+    recorder = loop.create_task(record())
     handle = gw.pipeline.handle
     headers = {"content-type": "application/json", "host": "127.0.0.1"}
 
@@ -109,10 +110,14 @@ async def run(n: int, conc: int, state_dir: str) -> float:
 
     await asyncio.gather(*(client(100) for _ in range(conc)))  # warm-up
     gc.collect()
+    gc.freeze()  # as ``pdgate serve`` after its start
     t0 = time.process_time()
     await asyncio.gather(*(client(n // conc) for _ in range(conc)))
     spent = time.process_time() - t0
+    recorder.cancel()
     await gw.stop()
+    gw.lineage.close()
+    gc.unfreeze()
     return spent / (n // conc * conc) * 1e6
 
 
@@ -123,8 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5, help="the median is reported, with every repeat")
     p.add_argument("--knock", default="", metavar="NAMES", help="features knocked out (scripts/knockout_serve.py)")
     a = p.parse_args(argv)
-    if a.knock:
-        knock(a.knock)
+    knocked = list(knockout_module().apply(a.knock)) if a.knock else []  # its checks included
     try:
         import uvloop
         uvloop.install()
@@ -136,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(a.repeats):
             runs.append(round(asyncio.run(run(a.requests, a.concurrency, state_dir)), 2))
     runs_sorted = sorted(runs)
-    print(json.dumps({"us_per_request": runs_sorted[len(runs) // 2], "runs": runs, "knocked": a.knock or None,
+    print(json.dumps({"us_per_request": runs_sorted[len(runs) // 2], "runs": runs, "knocked": knocked,
                       "pdgate": str(Path(sys.modules["pdgate"].__file__ or "").parent)}))
 
 

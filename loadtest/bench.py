@@ -57,6 +57,7 @@ from loadtest.procs import (
     cpu_seconds,
     floor_cmd,
     free_port,
+    knockout_names,
     peer_cmd,
     require_router,
     wait_http,
@@ -353,6 +354,16 @@ def targets_run(a: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def check_knockout(a: argparse.Namespace) -> None:
+    """``--knockout``: names ``scripts/knockout_serve.py`` knows, on the fake or sim workers (before anything starts)."""
+    if a.workers == "vllm":
+        raise SystemExit("bench: --knockout runs beside the fake or sim workers only, not --workers vllm")
+    known = knockout_names()
+    unknown = [n for n in a.knockout.split(",") if n not in known] if a.knockout != "all" else []
+    if unknown:
+        raise SystemExit(f"bench: --knockout: unknown feature {unknown[0]!r} (known: {', '.join(known)}, or all)")
+
+
 def run(a: argparse.Namespace) -> dict[str, Any]:
     """The workload asked for; with ``--json`` its results go to stdout as one JSON object, the tables and the
     progress to stderr (a pipe gets what it can parse)."""
@@ -372,6 +383,8 @@ def run_one(a: argparse.Namespace) -> dict[str, Any]:
             a.out = "runs/overload.json"
         return overload.run(a)
     if a.compare:
+        if a.knockout:
+            check_knockout(a)
         return compare(a)
     if not a.target:
         raise SystemExit("bench: give --target URL (repeatable) or --compare")

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +204,22 @@ SMG_MISSING = "SMG 1.13 is not installed here, and this comparison runs it: bash
 PEERS = ("sglang-router", "smg")  # the PD routers a comparison runs beside pdgate: sglang-router 0.3.2 and SMG 1.13
 KNOCKED = "pdgate-knocked"  # pdgate with named features knocked out (scripts/knockout_serve.py): measurement only
 FLOOR = "h1lite-floor"  # the least a Python PD relay on h1lite does: what pdgate's own features cost is measured over it
+
+
+def knockout_module() -> types.ModuleType:
+    """``scripts/knockout_serve.py`` as a module (its ``KNOCKS`` and ``apply``), run by ``KNOCKED``."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("knockout_serve", ROOT / "scripts" / "knockout_serve.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def knockout_names() -> list[str]:
+    """The features ``KNOCKED`` can knock out."""
+    return list(knockout_module().KNOCKS)
 
 
 def floor_cmd(port: int, prefill: str, bootstrap_port: int, decodes: list[str]) -> list[str]:

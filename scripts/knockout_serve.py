@@ -45,13 +45,23 @@ KNOCKS: dict[str, list[tuple[Any, str, Any]]] = {
     "finished": [(observers.Observers, "finished", noop)],
 }
 
-if __name__ == "__main__":
-    names = os.environ.get("KNOCK", "")
-    for name in KNOCKS if names == "all" else filter(None, names.split(",")):
+def apply(names: str) -> list[str]:
+    """Knock out ``names`` (comma-separated, or ``all``); the names knocked out. An unknown name, or a target gone
+    since (knocking out nothing would measure nothing), ends the process with a message."""
+    chosen = list(KNOCKS) if names == "all" else [n for n in names.split(",") if n]
+    for name in chosen:
         if name not in KNOCKS:
             sys.exit(f"KNOCK: unknown feature {name!r} (known: {', '.join(KNOCKS)})")
-        for owner, attr, value in KNOCKS[name]:
+        for owner, attr, _ in KNOCKS[name]:
             if not hasattr(owner, attr):  # renamed since: knocking out nothing would measure nothing
                 sys.exit(f"KNOCK={name}: {owner.__name__}.{attr} is gone; update scripts/knockout_serve.py")
+    for name in chosen:
+        for owner, attr, value in KNOCKS[name]:
             setattr(owner, attr, value)
+    return chosen
+
+
+if __name__ == "__main__":
+    knocked = apply(os.environ.get("KNOCK", ""))
+    print("knocked out:", ",".join(knocked) or "nothing", file=sys.stderr, flush=True)
     main(sys.argv[1:])

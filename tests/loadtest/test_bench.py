@@ -45,8 +45,8 @@ def test_compare_on_fake_workers_serves_every_target(tmp_path: Path) -> None:
     relay on h1lite, ``--floor``) and pdgate with every feature knocked out (``--knockout all``)."""
     out = tmp_path / "fake.json"
     r = subprocess.run([sys.executable, "-m", "loadtest", "bench", "--compare", "--workers", "fake", "--workloads", "s64",
-                        "ns16", "ns200rps", "--duration", "1", "--floor", "--knockout", "all", "--out", str(out)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120)
+                        "ns16", "ns200rps", "--duration", "1", "--floor", "--knockout", "all", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     res = json.loads(out.read_text())
     assert res["workers"] == "fake"
@@ -63,6 +63,9 @@ def test_compare_on_fake_workers_serves_every_target(tmp_path: Path) -> None:
     for target in ("direct", "pdgate", "sglang-router"):  # open loop: about the asked rate, whatever the target
         assert 120 <= paced[target]["rps"] <= 280, paced[target]
     assert paced["pdgate"]["p50_added_ms"] == round(paced["pdgate"]["p50_ms"] - paced["direct"]["p50_ms"], 3)
+    # the knocked-out target ran with every knockout (a KNOCK lost on the way would measure plain pdgate)
+    knocked = (Path(res["logs"]) / "pdgate-knocked.log").read_text()
+    assert "knocked out: metrics,events,traces,lineage,watchdog,validation,usage,routing,finished" in knocked, knocked[-500:]
 
 
 @pytest.mark.parametrize("args", [["bench", "--compare"], ["bench", "--overload"], ["agents", "--compare"]])
@@ -129,7 +132,18 @@ def test_the_request_paths_cost_in_memory_is_measured_with_and_without_the_featu
                            text=True, timeout=120)
         assert r.returncode == 0, r.stderr[-2000:]
         out = json.loads(r.stdout)
-        assert out["us_per_request"] > 0 and len(out["runs"]) == 1 and out["knocked"] == (knock or None), out
+        nine = ["metrics", "events", "traces", "lineage", "watchdog", "validation", "usage", "routing", "finished"]
+        assert out["us_per_request"] > 0 and len(out["runs"]) == 1 and out["knocked"] == (nine if knock else []), out
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "path_cost.py"), "--knock", "metrics,bogus"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode != 0 and "unknown feature 'bogus'" in r.stderr, r.stderr[-500:]
+
+
+@pytest.mark.parametrize(("args", "said"), [(["--knockout", "metrics,bogus"], "unknown feature 'bogus'"),
+                                            (["--workers", "vllm", "--knockout", "all"], "not --workers vllm")])
+def test_a_knockout_the_bench_cannot_run_is_refused_before_anything_starts(args: list[str], said: str,
+                                                                             tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "loadtest", "bench", "--compare", *args, "--out", str(tmp_path / "x.json")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and said in r.stderr and "Traceback" not in r.stderr, r.stderr[-500:]
+    assert not (tmp_path / "x.json").exists()
