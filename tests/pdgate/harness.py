@@ -7,6 +7,7 @@ import dataclasses
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -14,6 +15,7 @@ import aiohttp
 from pdgate.core.config import GatewayConfig, HealthConfig, WorkerSpec, validate
 from pdgate.path.gateway import Gateway
 from pdgate.planes.server import App, build_app, serve
+from pdgate.pool.lineage import Lineage
 from tests.engine.simclient import engine_requests
 from tests.procs import Sim, free_port
 
@@ -77,3 +79,18 @@ async def assert_clean(http: aiohttp.ClientSession, gw: Gateway, workers: Iterab
 
 def worker_id(gw: Gateway, sim: Sim) -> str:
     return next(w.id for w in gw.pool.by_id.values() if w.url == sim.url)
+
+
+async def recorded(state_dir: Path, n: int, within: float = 10.0) -> int:
+    """Wait until the gateways' records in ``state_dir`` (``pdgate.pool.lineage``: what a successor reads) hold ``n``
+    rids between them; a kill after that loses none of them. A fixed sleep past ``lineage.RECORD_S`` did not do: under
+    a CPU burner a gateway's record task had not run when it was killed, and its successor found the rids it left as
+    strangers' (orphans), not as its predecessor's."""
+    t0 = time.monotonic()
+    while True:
+        files = sorted((state_dir / "instances").glob("*.json")) if (state_dir / "instances").is_dir() else []
+        got = sum(len(e["rids"]) for f in files if (e := Lineage._read(f)) is not None)
+        if got >= n:
+            return got
+        assert time.monotonic() - t0 < within, f"the records in {state_dir} hold {got} rids, not {n}, after {within}s"
+        await asyncio.sleep(0.02)

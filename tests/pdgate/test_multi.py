@@ -22,6 +22,7 @@ from pdgate.core.config import StoreConfig
 from pdgate.observe.metrics import Metrics
 from pdgate.planes import multi, peers
 from tests.engine.simclient import gauge
+from tests.pdgate.harness import recorded
 from tests.pdgate.test_outcomes import CHAT
 from tests.procs import Procs, free_port, wait_http, workers_toml
 
@@ -437,7 +438,7 @@ async def test_a_killed_process_of_a_group_leaves_nothing_pinned(procs: Procs, f
 
     tasks = [asyncio.create_task(one()) for _ in range(16)]
     await wait_for_async(lambda: _held(fresh, sims, 16), 20, "every stream decoding")
-    await asyncio.sleep(0.3)  # past each process's last record
+    await recorded(tmp_path / "s", 16)  # the processes' records hold every stream: a kill loses none of them
     victim = members[0]["pid"]
     os.kill(victim, signal.SIGKILL)
     done = await asyncio.gather(*tasks)

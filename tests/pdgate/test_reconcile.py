@@ -17,7 +17,7 @@ from pdgate.core.config import ReconcileConfig, StoreConfig
 from pdgate.planes.control import Control
 from pdgate.pool.lineage import Lineage
 from tests.engine.simclient import engine_requests, gauge, set_faults, wait_gauge
-from tests.pdgate.harness import make_config, start_gateway
+from tests.pdgate.harness import make_config, recorded, start_gateway
 from tests.pdgate.test_outcomes import CHAT, gateway, post
 from tests.procs import Procs, free_port, wait_http, workers_toml
 
@@ -127,7 +127,7 @@ async def test_a_successor_on_redis_cleans_up_before_its_predecessors_lease_expi
     a = procs.spawn([sys.executable, "-m", "pdgate", "serve", "--config", str(cfg)], name="gateway-a")
     wait_http(f"http://127.0.0.1:{port}/readiness", proc=a.popen)
     await pin_on_prefill(http, f"http://127.0.0.1:{port}", 3)
-    await asyncio.sleep(0.2)  # past its last record
+    await recorded(state, 3)  # its record holds them: its successor reads them there (a sleep of 0.2 s missed, loaded)
     a.stop(signal.SIGKILL)  # before its own prefill-tail aborts (1 s): its records die with it
     await asyncio.sleep(1.5)  # the engines' disconnect aborts came and were lost to the race
     assert await gauge(http, p, INFLIGHT) == 3
@@ -227,9 +227,11 @@ def serve_gateway(procs: Procs, cfg: Path, name: str, workers: int = 1) -> tuple
     return proc, f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin}"
 
 
-async def streams_then_kill(http: aiohttp.ClientSession, url: str, proc: Any, n: int, sims: list[Any]) -> int:
-    """``n`` streams through the gateway at ``url``; once every one is decoding, the gateway is SIGKILLed. What the
-    engines still hold 1.5 s later (after their own disconnect aborts, the prefills' lost) is returned."""
+async def streams_then_kill(http: aiohttp.ClientSession, url: str, proc: Any, n: int, sims: list[Any],
+                            state: Path | None = None) -> int:
+    """``n`` streams through the gateway at ``url``; once every one is decoding (and, with ``state``, the gateway's
+    record holds them), the gateway is SIGKILLed. What the engines still hold 1.5 s later (after their own disconnect
+    aborts, the prefills' lost) is returned."""
     # ~13 s at --speed 15, killed once all are decoding: the first must still be decoding when the last gets there.
     # With 4 s streams the 30 reached the decodes 3.9-4 s after they were sent (the prefills' learned limits start
     # at 4 and double while none answers, the prefill sims serialise), a hair before the first ended: 1 in 9 failed
@@ -248,7 +250,8 @@ async def streams_then_kill(http: aiohttp.ClientSession, url: str, proc: Any, n:
         # held 12 of the 30 for 16 s in CI: ``limits.LimitRules.queue_probes``
         assert time.monotonic() - t0 < 20, f"the streams did not all reach the decodes: they hold {held} of {n}"
         await asyncio.sleep(0.05)
-    await asyncio.sleep(0.3)  # past the gateway's last record (``lineage.RECORD_S``): a kill loses nothing of them
+    if state is not None:
+        await recorded(state, n)  # a kill loses nothing of them
     proc.stop(signal.SIGKILL)
     await asyncio.gather(*tasks)
     await asyncio.sleep(1.5)
@@ -270,7 +273,7 @@ async def test_a_restarted_gateway_aborts_what_its_killed_predecessor_left_pinne
     cfg.write_text(f"[gateway]\nport = {free_port()}\nadmin_port = {free_port()}\naccess_log = false\n{state}{rc}"
                    + workers_toml(sims[:2], sims[2:]))
     a, url, _ = serve_gateway(procs, cfg, "gateway-a")
-    pinned = await streams_then_kill(http, url, a, 30, sims)
+    pinned = await streams_then_kill(http, url, a, 30, sims, tmp_path / "state" if successor_finds_it else None)
     pinned_prefills = await engine_held(http, [s for s in sims if s.role == "prefill"])
     assert pinned >= 20, f"the fixes off, most of the 30 stay pinned: {pinned}"
     started = time.monotonic()
