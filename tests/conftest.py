@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import tempfile
@@ -34,6 +35,16 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         os.environ["TMPDIR"] = env
     tempfile.tempdir = before
     shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def leaks_found_where_made() -> Iterator[None]:
+    """After each test (its other fixtures torn down), the cycle collector runs: a connection, a socket or a transport
+    it left unclosed is reported (``filterwarnings = error``) by the test that left it. Without this, a leak is found
+    wherever the collector happens to run next: a burner CI run failed test_responses' first test on a socket some
+    earlier test had left (``ResourceWarning: unclosed transport``), and nothing said which."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture
