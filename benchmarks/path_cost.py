@@ -30,6 +30,7 @@ from h1lite.server import Request
 from loadtest.procs import knockout_module
 from pdgate.core.config import GatewayConfig, WorkerSpec, validate
 from pdgate.path.gateway import Gateway
+from pdgate.planes.cli import GC_THRESHOLDS
 from pdgate.pool.lineage import RECORD_S
 
 BODY = orjson.dumps({"model": "mem-model", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 16})
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         uvloop.install()
     except ImportError:
         pass
-    gc.set_threshold(10_000, 20, 50)  # as ``pdgate serve`` (pdgate.planes.cli.GC_THRESHOLDS)
+    gc.set_threshold(*GC_THRESHOLDS)  # as ``pdgate serve``
     runs = []
     with tempfile.TemporaryDirectory() as state_dir:
         for _ in range(a.repeats):
