@@ -342,8 +342,14 @@ class OriginPool:
         self.all: set[Connection] = set()
         self.waiters: deque[asyncio.Future[None]] = deque()
         self.opened = 0  # connections made, over the pool's life
+        self.closed = False  # closed: no connection is made or kept from now on
+
+    def _refuse(self) -> ConnectFailed:
+        return ConnectFailed(f"no connection to {self.origin}: its pool is closed")
 
     async def acquire(self, fresh: bool = False) -> Connection:
+        if self.closed:
+            raise self._refuse()
         now = time.monotonic()
         while self.idle and not fresh:
             conn = self.idle.pop()
@@ -367,12 +373,19 @@ class OriginPool:
                     finally:
                         if fut in self.waiters:
                             self.waiters.remove(fut)
+                    if self.closed:
+                        raise self._refuse()
                     if self.idle and not fresh:
                         conn = self.idle.pop()
                         if conn.usable:
                             return conn
                         conn.close()
                 _, proto = await self.loop.create_connection(lambda: Connection(self), self.host, self.port)
+            if self.closed:  # closed while it was being made: a connection no close() would reach again
+                proto.close()
+                raise self._refuse()
+        except ConnectFailed:
+            raise
         except TimeoutError:
             raise ConnectFailed(f"no connection to {self.origin} within {self.connect_timeout_s:g}s"
                                 + (f" ({len(self.all)} open, the pool's limit)" if len(self.all) >= self.max_open
@@ -391,6 +404,9 @@ class OriginPool:
                 return
 
     def put(self, conn: Connection) -> None:
+        if self.closed:
+            conn.close()
+            return
         conn.idle_since = time.monotonic()
         self.idle.append(conn)
         if len(self.idle) > self.max_idle:
@@ -405,8 +421,14 @@ class OriginPool:
             self.idle.remove(conn)
 
     def close(self) -> None:
+        self.closed = True
         for conn in list(self.all):
             conn.close()
+        self.idle.clear()
+        while self.waiters:  # those waiting for room learn at once that there is none
+            fut = self.waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
 
 
 CHECK_AFTER_S = 0.1  # idle this long or more: the socket is checked for the engine's close before reuse
@@ -434,10 +456,13 @@ class Client:
         self.pools: dict[str, tuple[OriginPool, bytes]] = {}  # "http://host:port" -> (pool, Host header value)
         self.limits: dict[str, int] = {}  # "http://host:port" -> its own max_open (else the client's)
         self.stale_retries = 0  # requests sent again after a reused connection turned out closed
+        self.closed = False
 
     def _pool(self, base: str) -> tuple[OriginPool, bytes]:
         hit = self.pools.get(base)
         if hit is None:
+            if self.closed:  # a late call (a task that outlived its owner's stop) opens nothing no close() reaches
+                raise ConnectFailed(f"no connection to {base}: the client is closed")
             u = urlsplit(base)
             if u.scheme != "http" or not u.hostname:
                 raise ValueError(f"only http://host:port origins are supported, got {base!r}")
@@ -526,6 +551,7 @@ class Client:
             hit[0].close()
 
     def close(self) -> None:
+        self.closed = True
         for pool, _ in self.pools.values():
             pool.close()
         self.pools.clear()

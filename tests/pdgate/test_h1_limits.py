@@ -495,6 +495,7 @@ async def test_client_keeps_response_headers_sends_ours_and_reads_to_close() -> 
                 await client.fetch(eng.base, "GET", "/x", headers={"X": "a\r\nb: c"})
         finally:
             client.close()
+    client = Client(connect_timeout_s=1.0)  # a closed client sends nothing more
     async with RawEngine(lambda n: until_close if n == 1 else None) as eng:
         try:
             assert await client.fetch(eng.base, "GET", "/x") == (200, b"all of it")
@@ -576,3 +577,50 @@ async def test_a_request_split_at_every_few_bytes_is_answered(app: App) -> None:
     out = await read_all(r, 2.0)
     w.close()
     assert out.startswith(b"HTTP/1.1 200 OK") and out.endswith(b"hello world")
+
+
+async def ended(eng: RawEngine, within: float = 2.0) -> bool:
+    """Whether every connection the engine accepted has ended (its handler saw our close), within ``within`` s."""
+    end = time.monotonic() + within
+    while eng.tasks and time.monotonic() < end:
+        await asyncio.sleep(0.02)
+    return not eng.tasks
+
+
+async def test_a_closed_client_opens_no_connection_a_late_call_would_leave_open() -> None:
+    """A call after ``close()`` (a gateway's abort task that outlived its stop) is refused: it used to open a
+    connection in a new pool no close reaches, left to the garbage collector (a ResourceWarning in a later test)."""
+    client = Client(connect_timeout_s=0.5)
+    async with RawEngine(lambda n: OK) as eng:
+        assert await client.fetch(eng.base, "GET", "/x") == (200, b"ok")
+        client.close()
+        assert await ended(eng), "the idle connection was not closed"
+        with pytest.raises(ConnectFailed, match="the client is closed"):
+            await client.fetch(eng.base, "GET", "/x")
+        assert eng.connections == 1 and not client.pools
+
+
+async def test_a_connection_made_while_its_pool_closes_is_closed_not_pooled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``close()`` lands while a connection is being made (it is in none of the pool's lists yet): that connection
+    is closed on arrival and its call fails, instead of serving and idling in a pool nobody closes again."""
+    made, go = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    real = loop.create_connection
+
+    async def slow_connect(*a: Any, **kw: Any) -> Any:
+        out = await real(*a, **kw)
+        made.set()
+        await go.wait()
+        return out
+
+    monkeypatch.setattr(loop, "create_connection", slow_connect)
+    client = Client(connect_timeout_s=2.0)
+    async with RawEngine(lambda n: OK) as eng:
+        call = asyncio.create_task(client.fetch(eng.base, "GET", "/x"))
+        await asyncio.wait_for(made.wait(), 2)
+        client.close()
+        go.set()
+        with pytest.raises(ConnectFailed, match="its pool is closed"):
+            await call
+        assert await ended(eng), "the connection made during close() is still open"
+        assert eng.heads == []
