@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -181,5 +181,26 @@ class Tasks:
             log.error("background task failed: %r", task.exception())
 
     async def stop(self, timeout_s: float) -> None:
+        """Awaits what runs, and what it starts as it ends (a prefill cancelled at the end of its grace starts its
+        abort), for ``timeout_s`` at most; then what is left is cancelled and awaited. Nothing of the gateway runs on
+        past its stop: a task that did would call engines through a transport already closed."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while self.running and (left := end - loop.time()) > 0:
+            await asyncio.wait(list(self.running), timeout=left)
         if self.running:
-            await asyncio.wait(list(self.running), timeout=timeout_s)
+            log.warning("%d background task(s) still running %gs into the stop: cancelled", len(self.running),
+                        timeout_s)
+            await cancelled(self.running)
+
+
+async def cancelled(tasks: Iterable[asyncio.Task[Any]], timeout_s: float = 2.0) -> None:
+    """Cancel ``tasks`` and await their ends, for ``timeout_s`` at most; asked again while one runs (Python 3.11's
+    ``wait_for`` can swallow a cancellation that lands as what it waits for completes)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout_s
+    pending = {t for t in tasks if not t.done()}
+    while pending and (left := end - loop.time()) > 0:
+        for t in pending:
+            t.cancel()
+        _, pending = await asyncio.wait(pending, timeout=min(0.1, left))

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 from pdgate.core.config import GatewayConfig, Role, WorkerSpec, worker_hosts_allowed
 from pdgate.observe.metrics import FLUSH_S, SharedFiles
 from pdgate.path.gateway import Gateway
+from pdgate.path.scope import cancelled
 from pdgate.pool.lineage import RECORD_S
 from pdgate.pool.reconcile import Reconciler
 from pdgate.pool.workers import Worker
@@ -270,10 +271,9 @@ class Control:
             await asyncio.sleep(QUEUED_BEAT_S if waiting else self.cfg.store.heartbeat_s)
 
     async def stop(self) -> None:
-        for t in self.tasks:
-            t.cancel()
-        for t in self.health_tasks.values():
-            t.cancel()
+        # its loops end before the gateway's transport closes: a health check or a listing sent after would open
+        # a connection no close reaches
+        await cancelled([*self.tasks, *self.health_tasks.values()])
         await self.gw.stop()
         self.lineage.close()  # stopped cleanly: nothing of this process is left for a successor
         if self.gw.metrics.shared is not None:

@@ -106,3 +106,28 @@ async def test_a_failed_prefill_does_not_end_a_deferred_decode_abort(guard: bool
     assert sent and (not guard or sent[0] - t0 >= 0.3)
     events = [e[1] for e in att.events]
     assert events[0] == "abort_deferred" and "abort_undeferred" in events
+
+
+async def test_stop_awaits_what_a_task_starts_as_it_ends_and_cancels_what_outlives_the_bound() -> None:
+    """``Tasks.stop`` awaited the tasks running when it began, and only for its bound: an abort a cancelled prefill
+    starts (the grace's timer) ran on after the stop and its transport's close, as did a task past the bound."""
+    from pdgate.path.scope import Tasks
+    tasks, calls = Tasks(), []
+
+    async def abort_later() -> None:
+        await asyncio.sleep(0.2)
+        calls.append("abort")
+
+    async def prefill() -> None:
+        await asyncio.sleep(0.1)
+        tasks.spawn(abort_later())  # as prefill_orphaned does when the grace ends
+
+    async def forever() -> None:
+        await asyncio.Event().wait()
+
+    first = tasks.spawn(prefill())
+    await tasks.stop(1.0)
+    assert first.done() and calls == ["abort"] and not tasks.running
+    stuck = tasks.spawn(forever())
+    await tasks.stop(0.1)
+    assert stuck.cancelled() and not tasks.running

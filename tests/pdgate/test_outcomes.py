@@ -6,6 +6,7 @@ After each, ``assert_clean``: no engine holds a request and the gateway has no l
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import time
 from typing import Any
@@ -15,6 +16,7 @@ import openai
 import orjson
 import pytest
 
+from h1lite.client import Connection
 from pdgate.core.config import HealthConfig, ReconcileConfig
 from tests.engine.simclient import engine_requests, set_faults
 from tests.pdgate.harness import Running, assert_clean, make_config, start_gateway, worker_id
@@ -112,6 +114,30 @@ async def test_aborts_to_a_frozen_worker_give_up(procs: Procs, http: aiohttp.Cli
     finally:
         await set_faults(http, d, decode_freeze=False)
     await assert_clean(http, g.gw, [p, d], within=3)
+
+
+async def test_a_gateway_stopped_within_a_prefills_grace_aborts_it_and_leaves_nothing_running(
+        procs: Procs, http: aiohttp.ClientSession) -> None:
+    """The gateway stops while a prefill outlives its decode, within ``prefill_grace_s``. The grace's end cancels
+    the prefill and starts its abort. The stop used to await the prefill only, close the transport and return with
+    the abort still running: it opened a connection in a new pool nothing closed (found by the garbage collector in
+    some later test, under load) and went on calling the engine after the stop."""
+    p, d = procs.pair("--fixes", "none")
+    await set_faults(http, d, ack_loss=True)  # the decode finishes, the prefill waits for the ack forever
+    g = await start_gateway(make_config([p], [d], prefill_grace_s=0.3, reconcile=ReconcileConfig(enabled=False)))
+    try:
+        status, _, _ = await post(http, g, CHAT)
+        assert status == 200
+    finally:
+        await g.close()  # at once: the prefill is in its grace
+    running = [t for t in asyncio.all_tasks() if not t.done() and getattr(t.get_coro(), "cr_frame", None) is not None
+               and str(t.get_coro().cr_frame.f_globals.get("__name__", "")).startswith("pdgate.")]  # type: ignore[union-attr]
+    assert running == [], "the gateway's tasks run on after its stop"
+    gc.collect()
+    left = [c for c in gc.get_objects() if isinstance(c, Connection) and c.transport is not None
+            and not c.transport.is_closing()]
+    assert left == [], "the gateway's connections outlive its stop"
+    assert await engine_requests(http, p) == []  # the prefill was aborted, not left pinned
 
 
 @pytest.mark.parametrize("abort_legs", [True, False])
