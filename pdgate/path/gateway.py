@@ -88,7 +88,7 @@ class Gateway:
         self.tenants = auth.tenants(cfg.keys, cfg.deadlines)  # None: an open front door
         self.admins = auth.admins(cfg.admin_keys)  # None: an open admin plane (loopback only)
         aborts = Aborts(cfg, self.obs, self.tasks, self.clock)
-        legs = Legs(cfg, self.gate, self.obs, aborts, self.tasks, self.health.kick, self.clock)
+        self.legs = legs = Legs(cfg, self.gate, self.obs, aborts, self.tasks, self.health.kick, self.clock)
         attempts = Attempts(cfg.max_attempts, self.gate, legs, self.obs, self.clock)
         self.pipeline = Pipeline(Admission(cfg, self.pool, Ids(self.instance), self.clock), attempts,
                                  Outcomes(self.obs, self.store, self.clock), self.obs, cfg.routing.session_header,
@@ -150,6 +150,7 @@ class Gateway:
 
     async def stop(self) -> None:
         self.drain()
+        self.legs.end_graces()
         await self.tasks.stop(self.cfg.abort_timeout_s + 1 + self.cfg.abort_defer_s)
         if self.otel is not None:  # the spans still batched go out now (bounded: pdgate.observe.otel.SHUTDOWN_S)
             try:

@@ -79,6 +79,8 @@ class Legs:
                  kick: Callable[[Worker], None], clock: Callable[[], float]) -> None:
         self.cfg, self.gate, self.obs = cfg, gate, obs
         self.aborts, self.tasks, self.kick, self.clock = aborts, tasks, kick, clock
+        # prefills outliving their decode, in their grace: its timer, the attempt, the prefill's worker
+        self.graces: dict[asyncio.Task[bytes], tuple[asyncio.TimerHandle, Attempt, Worker]] = {}
 
     async def fly(self, ctx: Ctx, lease: Lease) -> bytes:
         """One attempt's two legs; what they carry and their order are the engine's."""
@@ -123,18 +125,32 @@ class Legs:
                 self.aborts.legs(att, pw, dw, legs.decode_resp, task)
             elif task is not None:  # decode finished, the prefill has not answered: a grace period, then its abort
                 timer = ctx.loop.call_later(self.cfg.prefill_grace_s, self.prefill_orphaned, att, pw, task)
-                task.add_done_callback(lambda _: timer.cancel())
+                self.graces[task] = (timer, att, pw)
+                task.add_done_callback(self._grace_over)
                 self.tasks.adopt(task)
             elif legs.prefill_exc is not None and not isinstance(legs.prefill_exc, asyncio.CancelledError):
                 att.event(self.clock(), "prefill_error_after_first_token", str(legs.prefill_exc))
 
-    def prefill_orphaned(self, att: Attempt, pw: Worker, p_task: asyncio.Task[bytes]) -> None:
+    def _grace_over(self, task: asyncio.Task[bytes]) -> None:
+        hit = self.graces.pop(task, None)
+        if hit is not None:
+            hit[0].cancel()
+
+    def prefill_orphaned(self, att: Attempt, pw: Worker, p_task: asyncio.Task[bytes], why: str = "") -> None:
         """Decode finished ``prefill_grace_s`` ago and the prefill has not answered: it is aborted."""
+        self.graces.pop(p_task, None)
         if not p_task.done():
-            att.event(self.clock(), "prefill_orphaned", f"no prefill answer {self.cfg.prefill_grace_s:g}s after "
-                      "decode finished")
+            att.event(self.clock(), "prefill_orphaned", why or f"no prefill answer {self.cfg.prefill_grace_s:g}s "
+                      "after decode finished")
             p_task.cancel()
             self.aborts.leg(att, pw, False)
+
+    def end_graces(self) -> None:
+        """The gateway stops: a prefill still in its grace is aborted now. A stop neither waits out a grace nor
+        cancels the prefill at its bound without the abort that frees the engine."""
+        for task, (timer, att, pw) in list(self.graces.items()):
+            timer.cancel()
+            self.prefill_orphaned(att, pw, task, "no prefill answer when the gateway stopped")
 
     async def leg(self, ctx: Ctx, lease: Lease, w: Worker, sending: list[bytes], keep: bool = True,
                   legs: Flight | None = None) -> bytes:

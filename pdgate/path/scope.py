@@ -188,9 +188,9 @@ class Tasks:
         end = loop.time() + timeout_s
         while self.running and (left := end - loop.time()) > 0:
             await asyncio.wait(list(self.running), timeout=left)
-        if self.running:
-            log.warning("%d background task(s) still running %gs into the stop: cancelled", len(self.running),
-                        timeout_s)
+        rest = [t for t in self.running if not t.done()]
+        if rest:
+            log.warning("%d background task(s) still running %gs into the stop: cancelled", len(rest), timeout_s)
             await cancelled(self.running)
 
 
@@ -199,8 +199,10 @@ async def cancelled(tasks: Iterable[asyncio.Task[Any]], timeout_s: float = 2.0) 
     ``wait_for`` can swallow a cancellation that lands as what it waits for completes)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout_s
-    pending = {t for t in tasks if not t.done()}
-    while pending and (left := end - loop.time()) > 0:
+    # looked at again each round: ``tasks`` may be a live set, a task ending may start another (a grace's abort)
+    while (pending := {t for t in tasks if not t.done()}) and (left := end - loop.time()) > 0:
         for t in pending:
             t.cancel()
-        _, pending = await asyncio.wait(pending, timeout=min(0.1, left))
+        await asyncio.wait(pending, timeout=min(0.1, left))
+    if pending:
+        log.warning("still running %gs after they were cancelled: %s", timeout_s, ", ".join(map(repr, pending)))

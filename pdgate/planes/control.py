@@ -63,6 +63,7 @@ class Control:
         self.own_urls: Callable[[], set[str]] = set
         self.reachable: dict[str, str] = {}  # plane -> where the other instances reach this one's (set by App)
         self._syncing: asyncio.Task[None] | None = None
+        self.stopping = False  # from the start of stop(): no loop is started again
         self._sync_again = False
 
     async def start(self) -> None:
@@ -131,6 +132,8 @@ class Control:
                 log.exception("could not write the metrics files")
 
     def start_health(self, wid: str) -> None:
+        if self.stopping:
+            return
         self.health_tasks[wid] = asyncio.get_running_loop().create_task(self.gw.health.run(self.gw.pool.by_id[wid]))
 
     # ---- the worker set ---------------------------------------------------------------------------
@@ -190,6 +193,8 @@ class Control:
 
     def workers_changed(self) -> None:
         """Another process changed the worker set (pushed, or a newer version seen): apply it, once at a time."""
+        if self.stopping:  # the store's listener runs until the store closes, after the gateway's stop
+            return
         if self._syncing is not None:
             self._sync_again = True
             return
@@ -273,7 +278,8 @@ class Control:
     async def stop(self) -> None:
         # its loops end before the gateway's transport closes: a health check or a listing sent after would open
         # a connection no close reaches
-        await cancelled([*self.tasks, *self.health_tasks.values()])
+        self.stopping = True
+        await cancelled([*self.tasks, *self.health_tasks.values(), *filter(None, [self._syncing])])
         await self.gw.stop()
         self.lineage.close()  # stopped cleanly: nothing of this process is left for a successor
         if self.gw.metrics.shared is not None:

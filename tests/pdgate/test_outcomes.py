@@ -116,23 +116,43 @@ async def test_aborts_to_a_frozen_worker_give_up(procs: Procs, http: aiohttp.Cli
     await assert_clean(http, g.gw, [p, d], within=3)
 
 
+def pdgate_tasks() -> list[asyncio.Task[Any]]:
+    """This process's tasks still running pdgate's code."""
+    return [t for t in asyncio.all_tasks() if not t.done() and getattr(t.get_coro(), "cr_frame", None) is not None
+            and str(t.get_coro().cr_frame.f_globals.get("__name__", "")).startswith("pdgate.")]  # type: ignore[union-attr]
+
+
+async def test_a_worker_set_change_reported_after_the_stop_starts_nothing(procs: Procs) -> None:
+    """A shared store's listener runs until the store closes, after the gateway's stop: a change of the worker set
+    it reported then started a sync, and a health loop for each worker the sync added, that nothing stopped."""
+    p, d = procs.pair()
+    g = await start_gateway(make_config([p], [d]))
+    await g.close()
+    ctl = g.runner.control
+    ctl.workers_changed()
+    ctl.start_health(worker_id(g.gw, p))
+    assert pdgate_tasks() == []
+
+
+@pytest.mark.parametrize("grace_s", [0.3, 30.0])
 async def test_a_gateway_stopped_within_a_prefills_grace_aborts_it_and_leaves_nothing_running(
-        procs: Procs, http: aiohttp.ClientSession) -> None:
-    """The gateway stops while a prefill outlives its decode, within ``prefill_grace_s``. The grace's end cancels
-    the prefill and starts its abort. The stop used to await the prefill only, close the transport and return with
-    the abort still running: it opened a connection in a new pool nothing closed (found by the garbage collector in
-    some later test, under load) and went on calling the engine after the stop."""
-    p, d = procs.pair("--fixes", "none")
+        procs: Procs, http: aiohttp.ClientSession, grace_s: float) -> None:
+    """The gateway stops while a prefill outlives its decode, within ``prefill_grace_s``. It used to await the
+    prefill only, for its stop's bound (8 s):
+    - a grace ending in that time cancelled the prefill and started its abort, and the stop returned with the abort
+      still running: it opened a connection in a new pool nothing closed (found by the garbage collector in some
+      later test, under load) and went on calling the engine after the stop;
+    - a longer grace: the prefill was cancelled at the bound with no abort, and the engine kept it.
+    Now the stop ends each grace at once: the abort is sent and awaited."""
+    p, d = procs.pair("--fixes", "none")  # no inflight watchdog in the engine: only the gateway's abort frees it
     await set_faults(http, d, ack_loss=True)  # the decode finishes, the prefill waits for the ack forever
-    g = await start_gateway(make_config([p], [d], prefill_grace_s=0.3, reconcile=ReconcileConfig(enabled=False)))
+    g = await start_gateway(make_config([p], [d], prefill_grace_s=grace_s, reconcile=ReconcileConfig(enabled=False)))
     try:
         status, _, _ = await post(http, g, CHAT)
         assert status == 200
     finally:
         await g.close()  # at once: the prefill is in its grace
-    running = [t for t in asyncio.all_tasks() if not t.done() and getattr(t.get_coro(), "cr_frame", None) is not None
-               and str(t.get_coro().cr_frame.f_globals.get("__name__", "")).startswith("pdgate.")]  # type: ignore[union-attr]
-    assert running == [], "the gateway's tasks run on after its stop"
+    assert pdgate_tasks() == [], "the gateway's tasks run on after its stop"
     gc.collect()
     left = [c for c in gc.get_objects() if isinstance(c, Connection) and c.transport is not None
             and not c.transport.is_closing()]
